@@ -1,0 +1,1 @@
+"""The spool owns the disk: message files, the state journal, recovery."""
