@@ -1,0 +1,449 @@
+"""Configuration: a TOML file plus ``-o SECTION.KEY=VALUE`` overrides, as frozen typed structs.
+
+Every key has a default, so no file (or an empty one) is a valid configuration. Problems raise
+`ConfigError`, whose message is one line that starts with the key path, because the daemon and
+the ctl print it as is and exit.
+"""
+
+import ipaddress
+import math
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+
+class ConfigError(Exception):
+    """A config file or override that cannot be used; str() is one line naming the key."""
+
+
+class Duration(float):
+    """Seconds. TOML: "250ms", "90s", "15m", "4h", "5d", or a number of seconds."""
+
+
+class Size(int):
+    """Bytes. TOML: a number of bytes, or "512KiB", "25MiB", "1GiB", "10MB", "10kB"."""
+
+
+class FreeSpace:
+    """Space to keep free on a filesystem: a fixed number of bytes or a fraction of its size."""
+
+    __slots__ = ("fraction", "nbytes")
+
+    def __init__(self, nbytes: int = 0, fraction: float = 0.0) -> None:
+        self.nbytes = nbytes
+        self.fraction = fraction
+
+    def bytes_for(self, total_bytes: int) -> int:
+        """The bytes to keep free on a filesystem of `total_bytes`."""
+        return self.nbytes + math.ceil(total_bytes * self.fraction)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FreeSpace):
+            return NotImplemented
+        return (self.nbytes, self.fraction) == (other.nbytes, other.fraction)
+
+    def __hash__(self) -> int:
+        return hash((self.nbytes, self.fraction))
+
+    def __repr__(self) -> str:
+        return f"FreeSpace(nbytes={self.nbytes}, fraction={self.fraction})"
+
+
+_NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
+_DURATION_RE = re.compile(_NUMBER + r"\s*(ms|s|m|h|d)?")
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_SIZE_RE = re.compile(_NUMBER + r"\s*([A-Za-z]*)")
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "kB": 10**3,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "250ms", "90s", "15m", "4h", "5d" or "90" (seconds)."""
+    m = _DURATION_RE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"invalid duration {text!r} (use e.g. 90s, 15m, 4h, 5d or seconds)")
+    return float(m[1]) * _DURATION_UNITS[m[2] or "s"]
+
+
+def parse_size(text: str) -> int:
+    """Bytes in "512KiB", "25MiB", "1GiB", "10MB", "10kB" or "1000" (bytes)."""
+    m = _SIZE_RE.fullmatch(text.strip())
+    if m is None or m[2] not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r} (use e.g. 512KiB, 25MiB, 1GiB, 10MB or bytes)")
+    return int(float(m[1]) * _SIZE_UNITS[m[2]])
+
+
+def parse_free_space(text: str) -> FreeSpace:
+    """A `FreeSpace` from "5%" or a size ("2GiB")."""
+    if text.strip().endswith("%"):
+        number = text.strip()[:-1]
+        if re.fullmatch(_NUMBER, number) is None or float(number) >= 100:
+            raise ValueError(f"invalid percentage {text!r} (use e.g. 5%)")
+        return FreeSpace(fraction=float(number) / 100)
+    return FreeSpace(nbytes=parse_size(text))
+
+
+def _kind(value: object) -> str:
+    """A value's type in TOML words, for messages."""
+    return {dict: "table", list: "array"}.get(type(value), type(value).__name__)
+
+
+def _d(text: str) -> Duration:
+    return Duration(parse_duration(text))
+
+
+def _s(text: str) -> Size:
+    return Size(parse_size(text))
+
+
+# Unit type -> (numbers it takes as is, from a number, from text, what it is for messages).
+_UNITS: dict[type, tuple[tuple[type, ...], Callable[[Any], Any], Callable[[str], Any], str]] = {
+    Duration: ((int, float), Duration, _d, "a duration"),
+    Size: ((int,), Size, _s, "a size"),
+    FreeSpace: ((int,), lambda n: FreeSpace(nbytes=n), parse_free_space, "a size or percentage"),
+}
+
+
+def _dec_hook(type_: type, value: Any) -> Any:
+    """Decode the unit types; a ValueError here becomes a ValidationError with the key path."""
+    if type_ not in _UNITS:
+        raise NotImplementedError
+    numbers, from_number, from_text, what = _UNITS[type_]
+    if isinstance(value, str):
+        return from_text(value)
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if is_number and isinstance(value, numbers) and 0 <= value < math.inf:
+        return from_number(value)
+    raise ValueError(f"expected {what}, got {repr(value) if is_number else _kind(value)}")
+
+
+class _Table(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every table: immutable, and a misspelt key is refused rather than ignored."""
+
+
+class ListenConfig(_Table):
+    address: str = "127.0.0.1:2525"
+    mynetworks: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
+    hostname: str = ""  # "" = the machine's FQDN, resolved by the daemon at start
+    max_message_size: Size = _s("25MiB")
+    max_recipients: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 200
+    max_connections_per_client: Annotated[int, msgspec.Meta(ge=1)] = 50
+    command_timeout: Duration = _d("5m")
+    data_timeout: Duration = _d("10m")
+    bare_newline: Literal["normalize", "reject"] = "normalize"
+    tls_cert: str = ""
+    tls_key: str = ""
+    auth_file: str = ""  # "user:hash" lines; "" = AUTH not offered
+    auth_required: bool = False  # true = clients in mynetworks must AUTH too
+
+
+class SubmissionConfig(_Table):
+    default_class: str = "p1"
+    dedupe_window: Duration = _d("24h")
+
+
+class SpoolConfig(_Table):
+    path: str = "spool"
+    min_free: FreeSpace = FreeSpace(fraction=0.02)
+    journal_compact_size: Size = _s("64MiB")
+    shutdown_grace: Duration = _d("30s")
+
+
+class ControlConfig(_Table):
+    socket: str = ""  # "" = <spool.path>/control.sock, see control_socket_path()
+    mode: Annotated[int, msgspec.Meta(ge=0, le=0o777)] = 0o600
+
+
+class MetricsConfig(_Table):
+    address: str = ""  # "" = no metrics endpoint
+
+
+class LogConfig(_Table):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["json", "console"] = "json"
+
+
+class DnsConfig(_Table):
+    nameservers: list[str] = []  # [] = the system resolver
+    timeout: Duration = _d("5s")
+    negative_ttl_max: Duration = _d("5m")
+
+
+class DeliveryConfig(_Table):
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 25
+    relayhost: str = ""  # "" = MX lookup per domain; else a next hop, see split_host_port()
+    helo_name: str = ""  # "" = listen.hostname
+
+
+class RetryConfig(_Table):
+    schedule: list[Duration] = msgspec.field(
+        default_factory=lambda: [_d("5m"), _d("15m"), _d("30m"), _d("60m")]
+    )
+    then: list[Duration] = msgspec.field(default_factory=lambda: [_d("4h"), _d("6h")])
+    greylist_min: Duration = _d("5m")
+    jitter: Annotated[float, msgspec.Meta(ge=0, le=0.5)] = 0.1
+
+
+class ClassConfig(_Table):
+    lifetime: Duration = _d("5d")
+    expire_action: Literal["bounce", "discard", "hold"] = "bounce"
+    priority: int = 1  # lower goes first
+    weight: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+
+# Always defined; a [classes.NAME] table is merged over the class's defaults here.
+DEFAULT_CLASSES = {
+    "p0": ClassConfig(lifetime=_d("4h"), priority=0, weight=1),
+    "p1": ClassConfig(lifetime=_d("5d"), priority=1, weight=4),
+    "p2": ClassConfig(lifetime=_d("2d"), priority=2, weight=1),
+}
+
+
+class Config(_Table):
+    listen: ListenConfig = msgspec.field(default_factory=ListenConfig)
+    submission: SubmissionConfig = msgspec.field(default_factory=SubmissionConfig)
+    spool: SpoolConfig = msgspec.field(default_factory=SpoolConfig)
+    control: ControlConfig = msgspec.field(default_factory=ControlConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+    dns: DnsConfig = msgspec.field(default_factory=DnsConfig)
+    delivery: DeliveryConfig = msgspec.field(default_factory=DeliveryConfig)
+    routes: dict[str, str] = {}  # lower-cased domain -> next hop
+    retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
+    classes: dict[str, ClassConfig] = msgspec.field(default_factory=lambda: dict(DEFAULT_CLASSES))
+
+
+def control_socket_path(cfg: Config) -> str:
+    """The control socket's path: control.socket, or control.sock in the spool."""
+    return cfg.control.socket or os.path.join(cfg.spool.path, "control.sock")
+
+
+_PORT_RE = re.compile(r"[0-9]{1,5}")
+_LABEL_RE = re.compile(r"[A-Za-z0-9_-]{1,63}")
+
+
+def _valid_host(host: str) -> bool:
+    if ":" in host:
+        try:
+            return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+        except ValueError:
+            return False
+    labels = host.removesuffix(".").split(".")
+    return len(host) <= 253 and all(_LABEL_RE.fullmatch(label) for label in labels)
+
+
+def split_host_port(
+    text: str, default_port: int | None = None, *, min_port: int = 1
+) -> tuple[str, int]:
+    """Split "host:port" or "[host]:port" (IPv6, or a Postfix-style next hop without MX
+    lookup); with a default_port the port may be left out. The host comes back unbracketed:
+    callers that care whether it was bracketed check ``text.startswith("[")``."""
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise ValueError(f"invalid address {text!r} (expected [host]:port)")
+        port = rest[1:] if rest else None
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    elif ":" in text:
+        raise ValueError(f"invalid address {text!r} (put an IPv6 address in brackets: [::1]:25)")
+    else:
+        host, port = text, None
+    if not _valid_host(host):
+        raise ValueError(f"invalid host in {text!r}")
+    if port is None:
+        if default_port is None:
+            raise ValueError(f"missing port in {text!r} (expected host:port)")
+        return host, default_port
+    if _PORT_RE.fullmatch(port) is None or not min_port <= int(port) <= 65535:
+        raise ValueError(f"invalid port in {text!r}")
+    return host, int(port)
+
+
+def parse_nameserver(text: str) -> tuple[str, int]:
+    """(ip, port) from "ip", "ip:port" or "[ipv6]:port"; the port defaults to 53."""
+    try:
+        return str(ipaddress.ip_address(text)), 53
+    except ValueError:
+        pass
+    try:
+        host, port = split_host_port(text, default_port=53)
+        return str(ipaddress.ip_address(host)), port
+    except ValueError:
+        raise ValueError(f"invalid nameserver {text!r} (expected ip or ip:port)") from None
+
+
+def _check_network(text: str) -> None:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise ValueError(f"invalid network {text!r} (expected CIDR, e.g. 10.0.0.0/8)") from None
+
+
+_VALIDATION_RE = re.compile(r"(.*) - at `\$(.*)`", re.DOTALL)
+
+
+def _explain(message: str, type_: Any, prefix: str) -> str:
+    """Rewrite a msgspec message ("Expected `int`, got `str` - at `$.delivery.port`") as
+    "delivery.port: expected int, got str"."""
+    m = _VALIDATION_RE.fullmatch(message)
+    problem, where = (m[1], m[2]) if m else (message, "")
+    path = prefix + where
+    if unknown := re.fullmatch(r"Object contains unknown field `(.*)`", problem):
+        path, problem = f"{path}.{unknown[1]}", "unknown key"
+    elif enum := re.fullmatch(r"Invalid enum value (.*)", problem):
+        for name in where.split(".")[1:]:
+            type_ = {f.name: f.type for f in msgspec.structs.fields(type_)}[name]
+        problem = f"invalid value {enum[1]} (expected one of {', '.join(typing.get_args(type_))})"
+    else:
+        problem = problem.replace("`object`", "table").replace("`", "")
+        problem = problem[:1].lower() + problem[1:]
+    return f"{path.lstrip('.')}: {problem}"
+
+
+def _convert(value: Any, type_: Any, prefix: str = "") -> Any:
+    try:
+        return msgspec.convert(value, type_, dec_hook=_dec_hook)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_explain(str(e), type_, prefix)) from None
+
+
+def _build(raw: dict[str, Any]) -> Config:
+    """Convert the merged raw tables. classes and routes are converted entry by entry so that
+    errors name the entry (msgspec reports dict values only as `[...]`)."""
+    classes = raw.get("classes", {})
+    if isinstance(classes, dict):
+        merged = dict(DEFAULT_CLASSES)
+        for name, table in classes.items():
+            path = f"classes.{name}"
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: expected table, got {_kind(table)}")
+            if re.fullmatch(r"[A-Za-z0-9_-]+", name) is None:
+                raise ConfigError(f"{path}: invalid class name (use letters, digits, _ and -)")
+            base = msgspec.structs.asdict(merged[name]) if name in merged else {}
+            merged[name] = _convert(base | table, ClassConfig, path)
+        raw["classes"] = merged
+    routes = raw.get("routes", {})
+    if isinstance(routes, dict):
+        raw["routes"] = {d.lower(): _convert(h, str, f"routes.{d}") for d, h in routes.items()}
+    return _convert(raw, Config)
+
+
+def _check(path: str, check: Callable[..., object], *args: Any) -> None:
+    try:
+        check(*args)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _validate(cfg: Config) -> None:
+    """Checks that span keys or need more than a type."""
+    listen, retry = cfg.listen, cfg.retry
+    # Port 0 binds an ephemeral port (tests); the "ready" log event names it.
+    _check("listen.address", lambda a: split_host_port(a, min_port=0), listen.address)
+    for i, network in enumerate(listen.mynetworks):
+        _check(f"listen.mynetworks[{i}]", _check_network, network)
+    if bool(listen.tls_cert) != bool(listen.tls_key):
+        missing, given = ("tls_key", "tls_cert") if listen.tls_cert else ("tls_cert", "tls_key")
+        raise ConfigError(f"listen.{missing}: required when listen.{given} is set")
+    if listen.auth_required and not listen.auth_file:
+        raise ConfigError("listen.auth_required: needs listen.auth_file")
+    positive = {
+        "listen.command_timeout": listen.command_timeout,
+        "listen.data_timeout": listen.data_timeout,
+        "dns.timeout": cfg.dns.timeout,
+    } | {f"classes.{name}.lifetime": c.lifetime for name, c in cfg.classes.items()}
+    for path, seconds in positive.items():
+        if seconds <= 0:
+            raise ConfigError(f"{path}: must be more than 0s")
+    if cfg.submission.default_class not in cfg.classes:
+        defined = ", ".join(cfg.classes)
+        raise ConfigError(
+            f"submission.default_class: unknown class {cfg.submission.default_class!r}"
+            f" (defined: {defined})"
+        )
+    if not cfg.spool.path:
+        raise ConfigError("spool.path: must not be empty")
+    if cfg.metrics.address:
+        _check("metrics.address", lambda a: split_host_port(a, min_port=0), cfg.metrics.address)
+    for i, server in enumerate(cfg.dns.nameservers):
+        _check(f"dns.nameservers[{i}]", parse_nameserver, server)
+    if cfg.delivery.relayhost:
+        _check("delivery.relayhost", split_host_port, cfg.delivery.relayhost, cfg.delivery.port)
+    for domain, hop in cfg.routes.items():
+        if not _valid_host(domain) or ":" in domain:
+            raise ConfigError(f"routes.{domain}: invalid domain")
+        # "" routes the domain by its MX records, bypassing delivery.relayhost.
+        if hop:
+            _check(f"routes.{domain}", split_host_port, hop, cfg.delivery.port)
+    if len(retry.then) != 2:
+        raise ConfigError(f"retry.then: expected two durations [min, max], got {len(retry.then)}")
+    if retry.then[0] > retry.then[1]:
+        raise ConfigError("retry.then: min is greater than max")
+
+
+def _override_value(text: str) -> Any:
+    """A TOML value if `text` is one ("26", "true", '["1m"]'), else the text itself."""
+    try:
+        parsed = tomllib.loads("v = " + text)
+    except tomllib.TOMLDecodeError:
+        return text
+    return parsed["v"] if parsed.keys() == {"v"} else text
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, equals, text = item.partition("=")
+    key = key.strip()
+    # A route's key is a domain, dots included.
+    path = ["routes", key[7:]] if key.startswith("routes.") else key.split(".")
+    if not equals or len(path) < 2 or "" in path:
+        raise ConfigError(f"override {item!r}: expected SECTION.KEY=VALUE")
+    table = raw
+    for depth, name in enumerate(path[:-1], 1):
+        table = table.setdefault(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{'.'.join(path[:depth])}: not a table, cannot set {key}")
+    table[path[-1]] = _override_value(text.strip())
+
+
+def _read(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: not UTF-8") from None
+    except tomllib.TOMLDecodeError as e:
+        # tomllib says "Invalid value (at line 3, column 7)"; lead with the position.
+        m = re.fullmatch(r"(.*) \((at .*)\)", str(e))
+        detail = f"{m[2]}: {m[1][:1].lower()}{m[1][1:]}" if m else str(e)
+        raise ConfigError(f"config file {path}: TOML syntax error {detail}") from None
+
+
+def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
+    """The configuration from the TOML file at `path` (None = defaults only), with each
+    "SECTION.KEY=VALUE" override applied over it. Raises ConfigError."""
+    raw = _read(path) if path is not None else {}
+    for item in overrides:
+        _apply_override(raw, item)
+    cfg = _build(raw)
+    _validate(cfg)
+    return cfg

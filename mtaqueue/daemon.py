@@ -1,0 +1,227 @@
+"""The `mtaqueue` daemon: wires config, spool, listener and control together.
+
+    mtaqueue [-c FILE] [-o SECTION.KEY=VALUE ...]
+
+Start order: recover the spool (queue state from the journal), bind the
+listener, open the control socket, then check spool files in the background.
+SIGTERM/SIGINT: stop accepting, let messages in transfer finish (bounded by
+spool.shutdown_grace), commit the journal, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import signal
+import socket
+import ssl
+import sys
+import time
+
+import structlog
+import uvloop
+
+from . import __version__, config
+from .control.commands import queue_commands
+from .control.server import ControlServer
+from .logs import configure_logging
+from .smtp.auth import Credentials, hash_password, load_auth_file
+from .smtp.listener import Listener, ListenerSettings
+from .smtp.server_session import SessionSettings
+from .spool.store import Spool, SpoolLocked
+from .submission import SubmissionSettings
+
+log = structlog.get_logger("daemon")
+
+EXIT_CONFIG = 2
+EXIT_RUNTIME = 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mtaqueue", description="Outbound mail queue daemon.")
+    parser.add_argument("-c", "--config", help="TOML config file (default: built-in defaults)")
+    parser.add_argument(
+        "-o", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
+    )
+    parser.add_argument(
+        "--hash-password",
+        action="store_true",
+        help="read a password on stdin, print a hash for listen.auth_file, exit",
+    )
+    parser.add_argument("--version", action="version", version=f"mtaqueue {__version__}")
+    args = parser.parse_args(argv)
+    if args.hash_password:
+        print(hash_password(sys.stdin.readline().rstrip("\n")))
+        return 0
+    try:
+        cfg = config.load(args.config, args.overrides)
+        daemon = Daemon(cfg)
+    except config.ConfigError as exc:
+        print(f"mtaqueue: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    configure_logging(cfg.log.level, cfg.log.format)
+    return uvloop.run(daemon.run())
+
+
+class Daemon:
+    def __init__(self, cfg: config.Config) -> None:
+        self.cfg = cfg
+        self.hostname = cfg.listen.hostname or socket.getfqdn()
+        # Everything that can fail on bad settings is built here, before any I/O.
+        self.listener_settings = listener_settings(cfg, self.hostname)
+        self.tls = _tls_context(cfg)
+        self.credentials = _credentials(cfg)
+        self.spool = Spool(
+            cfg.spool.path,
+            min_free=cfg.spool.min_free.bytes_for,
+            compact_size=cfg.spool.journal_compact_size,
+            dedupe_window=cfg.submission.dedupe_window,
+        )
+        self.started = time.time()
+        self._stop = asyncio.Event()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        try:
+            report = self.spool.open()
+        except (SpoolLocked, OSError) as exc:
+            log.error("spool_open_failed", error=str(exc), path=self.cfg.spool.path)
+            return EXIT_RUNTIME
+        log.info(
+            "spool_recovered",
+            messages=report.messages,
+            journal_records=report.journal_records,
+            journal_segments=report.journal_segments,
+            dropped_bytes=report.dropped_bytes,
+            seconds=round(report.seconds, 3),
+        )
+        for warning in report.warnings:
+            log.warning("journal_damaged", detail=warning)
+        self.spool.start(loop)
+        listener = Listener(
+            self.listener_settings, self.spool, tls=self.tls, credentials=self.credentials
+        )
+        control = ControlServer(
+            config.control_socket_path(self.cfg),
+            self.cfg.control.mode,
+            queue_commands(lambda: self.spool.messages.values(), self.spool.messages.get, self.info),
+        )
+        try:
+            await listener.start()
+            await control.start()
+        except (OSError, RuntimeError) as exc:
+            log.error("startup_failed", error=str(exc))
+            await listener.close(0)
+            await self.spool.close()
+            return EXIT_RUNTIME
+        self.listener = listener
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: log.warning("reload_not_supported"))
+        log.info("ready", listen=listener.addresses, version=__version__, pid=os.getpid())
+        sweep = asyncio.create_task(self._sweep())
+        free_space = asyncio.create_task(self._watch_free_space())
+        await self._stop.wait()
+
+        log.info("stopping", grace=self.cfg.spool.shutdown_grace)
+        await listener.close(self.cfg.spool.shutdown_grace)
+        sweep.cancel()
+        free_space.cancel()
+        await control.close()
+        await self.spool.close()
+        log.info("stopped", accepted=listener.accepted)
+        return 0
+
+    def info(self) -> dict:
+        listener = getattr(self, "listener", None)
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime": round(time.time() - self.started, 1),
+            "listen": listener.addresses if listener else [],
+            "connections": len(listener.connections) if listener else 0,
+            "spool_free_bytes": self.spool.free_bytes,
+            "accepting": self.spool.storage_ok,
+            "journal_bytes": self.spool.journal_size(),
+        }
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        report = await loop.run_in_executor(None, self.spool.sweep, self.started)
+        for queue_id, problem in report.quarantined:
+            log.error("message_quarantined", id=queue_id, problem=problem)
+            await self.spool.remove(queue_id, f"quarantined: {problem}")
+        for queue_id in report.missing:
+            log.error("message_file_missing", id=queue_id)
+            await self.spool.remove(queue_id, "message file missing")
+        log.info(
+            "spool_swept",
+            files=report.files,
+            orphans_removed=report.orphans_removed,
+            temp_removed=report.temp_removed,
+            quarantined=len(report.quarantined),
+            missing=len(report.missing),
+        )
+
+    async def _watch_free_space(self) -> None:
+        # Commits refresh it too; this catches a disk filled by someone else.
+        while True:
+            await asyncio.sleep(2.0)
+            was_ok = self.spool.storage_ok
+            self.spool.refresh_free_space()
+            if was_ok != self.spool.storage_ok:
+                event = "spool_space_ok" if self.spool.storage_ok else "spool_space_low"
+                log.warning(event, free_bytes=self.spool.free_bytes)
+
+
+def listener_settings(cfg: config.Config, hostname: str) -> ListenerSettings:
+    host, port = config.split_host_port(cfg.listen.address, min_port=0)
+    return ListenerSettings(
+        host=host,
+        port=port,
+        mynetworks=tuple(ipaddress.ip_network(n, strict=False) for n in cfg.listen.mynetworks),
+        max_connections=cfg.listen.max_connections,
+        max_connections_per_client=cfg.listen.max_connections_per_client,
+        command_timeout=cfg.listen.command_timeout,
+        data_timeout=cfg.listen.data_timeout,
+        session=SessionSettings(
+            hostname=hostname,
+            max_message_size=cfg.listen.max_message_size,
+            max_recipients=cfg.listen.max_recipients,
+            bare_newline=cfg.listen.bare_newline,
+            tls_available=bool(cfg.listen.tls_cert),
+            auth_available=bool(cfg.listen.auth_file),
+            auth_required=cfg.listen.auth_required,
+        ),
+        submission=SubmissionSettings(
+            hostname=hostname,
+            classes=tuple(sorted(cfg.classes, key=lambda n: (cfg.classes[n].priority, n))),
+            default_class=cfg.submission.default_class,
+        ),
+    )
+
+
+def _tls_context(cfg: config.Config) -> ssl.SSLContext | None:
+    if not cfg.listen.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cfg.listen.tls_cert, cfg.listen.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise config.ConfigError(f"listen.tls_cert: cannot load certificate/key: {exc}") from None
+    return context
+
+
+def _credentials(cfg: config.Config) -> Credentials | None:
+    if not cfg.listen.auth_file:
+        return None
+    try:
+        return Credentials(load_auth_file(cfg.listen.auth_file))
+    except (OSError, ValueError) as exc:
+        raise config.ConfigError(f"listen.auth_file: {exc}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

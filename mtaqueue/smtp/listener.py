@@ -1,0 +1,301 @@
+"""The submission listener: sockets, timers and limits around `ServerSession`.
+
+A plain asyncio Protocol (no StreamReader): each read goes straight into the
+session, replies go straight out. Commits go to the spool as futures with a
+done-callback, so accepting a message costs no task and no thread hop of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import ssl
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import structlog
+
+from ..spool.store import Spool, StorageFull
+from ..submission import Received, Refused, SubmissionSettings, prepare
+from .auth import Credentials
+from .server_session import CheckCredentials, ServerSession, SessionSettings, StartTLS, Submit
+
+log = structlog.get_logger("listener")
+
+MAX_PIPELINED = 1 << 20  # input buffered while a commit is pending before we stop reading
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerSettings:
+    host: str
+    port: int
+    mynetworks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+    max_connections: int
+    max_connections_per_client: int
+    command_timeout: float
+    data_timeout: float
+    session: SessionSettings
+    submission: SubmissionSettings
+
+
+class Listener:
+    def __init__(
+        self,
+        settings: ListenerSettings,
+        spool: Spool,
+        *,
+        tls: ssl.SSLContext | None = None,
+        credentials: Credentials | None = None,
+    ) -> None:
+        self.settings = settings
+        self.spool = spool
+        self.tls = tls
+        self.credentials = credentials
+        self.connections: set[SubmissionProtocol] = set()
+        self.per_client: Counter[str] = Counter()
+        self.accepted = 0
+        self.draining = False
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: SubmissionProtocol(self),
+            self.settings.host,
+            self.settings.port,
+            reuse_address=True,
+            backlog=1024,
+        )
+        self._sweeper = asyncio.create_task(self._sweep_idle())
+
+    def reconfigure(self, settings: ListenerSettings) -> None:
+        """New limits for new sessions (the address is fixed until restart)."""
+        self.settings = settings
+
+    @property
+    def addresses(self) -> list[str]:
+        assert self._server is not None
+        return [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in self._server.sockets]
+
+    def may_relay(self, client: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(client)
+        except ValueError:
+            return False
+        return any(ip in net for net in self.settings.mynetworks)
+
+    async def close(self, grace: float) -> None:
+        """Stop accepting; let sessions in the middle of a message finish, up to `grace`."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.drain()
+        deadline = time.monotonic() + grace
+        while self.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+    async def _sweep_idle(self) -> None:
+        # One periodic pass instead of a timer per connection: cheaper per read.
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for conn in list(self.connections):
+                conn.check_idle(now)
+
+
+class SubmissionProtocol(asyncio.Protocol):
+    def __init__(self, listener: Listener) -> None:
+        self.listener = listener
+        self.transport: asyncio.Transport | None = None
+        self.session: ServerSession | None = None
+        self.client = ""
+        self.last_activity = time.monotonic()
+        self._waiting = False
+        self._tls = False
+
+    # -- asyncio callbacks ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        peer = transport.get_extra_info("peername")
+        self.client = peer[0] if peer else ""
+        listener = self.listener
+        settings = listener.settings
+        hostname = settings.session.hostname
+        if len(listener.connections) >= settings.max_connections:
+            self._refuse(f"421 4.7.0 {hostname} Error: too many connections, try again later")
+            return
+        if listener.per_client[self.client] >= settings.max_connections_per_client:
+            self._refuse(f"421 4.7.0 {hostname} Error: too many connections from your address")
+            return
+        listener.connections.add(self)
+        listener.per_client[self.client] += 1
+        self.session = ServerSession(
+            settings.session,
+            may_relay=listener.may_relay(self.client),
+            storage_ok=lambda: listener.spool.storage_ok,
+        )
+        transport.write(self.session.greeting())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        listener = self.listener
+        if self in listener.connections:
+            listener.connections.discard(self)
+            listener.per_client[self.client] -= 1
+            if listener.per_client[self.client] <= 0:
+                del listener.per_client[self.client]
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self.last_activity = time.monotonic()
+        session = self.session
+        if session is None:
+            return
+        self._continue(session.receive(data))
+        if self._waiting and session.buffered > MAX_PIPELINED and self.transport is not None:
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        return False  # close our side too
+
+    # -- driving the session -------------------------------------------------------
+
+    def _continue(self, action) -> None:
+        session = self.session
+        transport = self.transport
+        if session is None or transport is None:
+            return
+        out = session.take_output()
+        if out:
+            transport.write(out)
+        if action is not None:
+            self._waiting = True
+            if isinstance(action, Submit):
+                self._submit(action)
+            elif isinstance(action, CheckCredentials):
+                self._check_credentials(action)
+            elif isinstance(action, StartTLS):
+                asyncio.ensure_future(self._start_tls())
+        elif session.closed:
+            transport.close()
+        elif self.listener.draining and not session.busy:
+            session.shutting_down()
+            self._continue(None)
+
+    def _resume(self, outcome) -> None:
+        self._waiting = False
+        if self.session is None or self.transport is None:
+            return
+        self.transport.resume_reading()
+        self._continue(self.session.resume(outcome))
+
+    def _submit(self, submit: Submit) -> None:
+        spool = self.listener.spool
+        now = time.time()
+        received = Received(spool.ids.next(now), now, self.client, self._tls)
+        try:
+            message, content = prepare(submit, received, self.listener.settings.submission)
+        except Refused as exc:
+            log.info("refused", client=self.client, sender=submit.envelope.sender, reply=str(exc))
+            self._resume(str(exc))
+            return
+        future = spool.accept(message, content)
+        future.add_done_callback(lambda f: self._committed(f, message))
+
+    def _committed(self, future: asyncio.Future, message) -> None:
+        exc = future.exception()
+        if exc is None:
+            queue_id = future.result()
+            self.listener.accepted += 1
+            if queue_id == message.id:
+                log.info(
+                    "accepted",
+                    id=queue_id,
+                    sender=message.sender,
+                    recipients=len(message.recipients),
+                    size=message.size,
+                    cls=message.klass,
+                    client=self.client,
+                    tenant=message.tenant,
+                )
+            else:
+                log.info(
+                    "duplicate_submission",
+                    id=queue_id,
+                    idempotency_key=message.idempotency_key,
+                    client=self.client,
+                )
+            reply = f"250 2.0.0 Ok: queued as {queue_id}"
+        elif isinstance(exc, StorageFull):
+            log.error("spool_full", error=str(exc), client=self.client)
+            reply = "452 4.3.1 Insufficient system storage"
+        else:
+            log.error("spool_write_failed", error=str(exc), client=self.client)
+            reply = "451 4.3.0 Temporary storage failure, try again later"
+        self._resume(reply)
+
+    def _check_credentials(self, action: CheckCredentials) -> None:
+        credentials = self.listener.credentials
+        if credentials is None:
+            self._resume(None)
+            return
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, credentials.check, action.user, action.password)
+
+        def done(f: asyncio.Future) -> None:
+            user = f.result() if f.exception() is None else None
+            if user is None:
+                log.warning("auth_failed", user=action.user, client=self.client)
+            self._resume(user)
+
+        future.add_done_callback(done)
+
+    async def _start_tls(self) -> None:
+        loop = asyncio.get_running_loop()
+        transport = self.transport
+        context = self.listener.tls
+        try:
+            assert transport is not None and context is not None
+            self.transport = await loop.start_tls(transport, self, context, server_side=True)
+        except (OSError, ssl.SSLError, ConnectionError, AssertionError) as exc:
+            log.info("tls_failed", client=self.client, error=str(exc))
+            self._waiting = False
+            if transport is not None:
+                transport.abort()
+            return
+        self._tls = True
+        self._resume(True)
+
+    # -- limits ----------------------------------------------------------------------
+
+    def check_idle(self, now: float) -> None:
+        session = self.session
+        if session is None or self._waiting:
+            return
+        settings = self.listener.settings
+        limit = settings.data_timeout if session.in_data else settings.command_timeout
+        if now - self.last_activity > limit:
+            session.timeout()
+            self._continue(None)
+
+    def drain(self) -> None:
+        """Daemon is stopping: end idle sessions now, busy ones after their message."""
+        if self.session is not None and not self.session.busy and not self._waiting:
+            self.session.shutting_down()
+            self._continue(None)
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _refuse(self, reply: str) -> None:
+        assert self.transport is not None
+        self.transport.write(reply.encode() + b"\r\n")
+        self.transport.close()

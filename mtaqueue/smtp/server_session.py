@@ -1,0 +1,571 @@
+"""One SMTP server conversation, sans-IO (in the manner of h11).
+
+`ServerSession` takes the bytes a client sent and produces the bytes to answer,
+plus at most one `Action` at a time that needs I/O (commit the message, check a
+password, start TLS). While an action is pending, further pipelined input waits
+in the buffer; the I/O layer calls `resume()` with the outcome.
+
+We write this instead of using aiosmtpd's server: the listener is the product's
+hot path (see bench/RESULTS.md), and RFC 3461 parameters, per-recipient DSN
+options, case-exact ENVID, bare-newline policy and limits all needed overriding
+anyway. aiosmtpd still serves as the test and benchmark peers.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..model import Recipient
+from .addresses import AddressError, check_mailbox, split_path, xtext_decode
+
+MAX_COMMAND_LINE = 2048  # RFC 5321 allows 512, plus room for DSN parameters
+MAX_ERRORS = 20  # replies with an error before we hang up on a confused client
+_LONG_LINE = re.compile(rb"[^\r\n]{999}")  # RFC 5322 2.1.1: 998 characters + CRLF
+_BARE_NEWLINE = re.compile(rb"\r(?!\n)|(?<!\r)\n")
+_NOTIFY_VALUES = frozenset({"SUCCESS", "FAILURE", "DELAY"})
+_OVERLONG = "\x00overlong"  # _take_line's marker for a line that was too long
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    hostname: str
+    max_message_size: int
+    max_recipients: int
+    bare_newline: str = "normalize"  # or "reject"
+    tls_available: bool = False
+    auth_available: bool = False
+    auth_required: bool = False
+
+
+@dataclass(slots=True)
+class Envelope:
+    sender: str = ""
+    recipients: list[Recipient] = field(default_factory=list)
+    body: str = "7BIT"
+    smtputf8: bool = False
+    envid: str | None = None
+    ret: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Commit this message; resume() with the reply line for the client."""
+
+    envelope: Envelope
+    content: bytes
+    helo: str
+    user: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckCredentials:
+    """Verify a password; resume() with the user name, or None if it is wrong."""
+
+    user: str
+    password: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartTLS:
+    """Upgrade the connection; resume() once the handshake is done (or None if it failed)."""
+
+
+Action = Submit | CheckCredentials | StartTLS
+
+# Session states.
+_COMMAND, _DATA, _AUTH_PLAIN, _AUTH_USER, _AUTH_PASS, _WAIT, _CLOSED = range(7)
+
+
+class ServerSession:
+    def __init__(
+        self,
+        settings: SessionSettings,
+        *,
+        may_relay: bool,
+        storage_ok: Callable[[], bool] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.may_relay = may_relay  # client address is in listen.mynetworks
+        self._storage_ok = storage_ok or (lambda: True)
+        self.tls = False
+        self.user: str | None = None
+        self.helo = ""
+        self.esmtp = False
+        self.envelope: Envelope | None = None
+        self.closed = False
+        self._state = _COMMAND
+        self._buf = bytearray()
+        self._out: list[str] = []
+        self._errors = 0
+        self._discarding = False  # skipping the rest of an overlong command line
+        self._data = bytearray()
+        self._data_scan = 0
+        self._data_overflow = False
+        self._auth_user = ""
+        self._pending: Action | None = None
+
+    # -- I/O facing API -------------------------------------------------
+
+    def greeting(self) -> bytes:
+        return f"220 {self.settings.hostname} ESMTP mtaqueue\r\n".encode()
+
+    def receive(self, data: bytes) -> Action | None:
+        """Feed bytes from the client; returns an action to perform, if any."""
+        if self._state == _CLOSED:
+            return None
+        self._buf += data
+        if self._state == _WAIT:  # pipelined input waits for the pending action
+            return None
+        return self._advance()
+
+    def resume(self, outcome) -> Action | None:
+        """Report the outcome of the pending action and continue with buffered input."""
+        action, self._pending = self._pending, None
+        self._state = _COMMAND
+        if isinstance(action, Submit):
+            self._reply(outcome)
+            self.envelope = None
+        elif isinstance(action, CheckCredentials):
+            if outcome:
+                self.user = outcome
+                self._reply("235 2.7.0 Authentication successful")
+            else:
+                self._error("535 5.7.8 Authentication credentials invalid")
+        elif isinstance(action, StartTLS):
+            if not outcome:
+                self._close()
+                return None
+            # RFC 3207 4.2: forget everything learned before the handshake.
+            self.tls = True
+            self.helo, self.esmtp, self.envelope, self.user = "", False, None, None
+        return self._advance()
+
+    def take_output(self) -> bytes:
+        out = self._out
+        if not out:
+            return b""
+        self._out = []
+        return ("\r\n".join(out) + "\r\n").encode("utf-8", "surrogateescape")
+
+    def timeout(self) -> None:
+        self._reply(f"421 4.4.2 {self.settings.hostname} Error: timeout exceeded")
+        self._close()
+
+    def shutting_down(self) -> None:
+        self._reply(f"421 4.3.2 {self.settings.hostname} Service shutting down, try again later")
+        self._close()
+
+    @property
+    def busy(self) -> bool:
+        """In the middle of a message (DATA or its commit): not to be cut off lightly."""
+        return self._state == _DATA or self._state == _WAIT
+
+    @property
+    def in_data(self) -> bool:
+        return self._state == _DATA
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    # -- input processing -----------------------------------------------
+
+    def _advance(self) -> Action | None:
+        while self._state not in (_WAIT, _CLOSED):
+            if self._state == _DATA:
+                if not self._take_data():
+                    return None
+                continue
+            line = self._take_line()
+            if line is None:
+                return None
+            if line is _OVERLONG:
+                self._error("500 5.5.2 Error: command line too long")
+            elif self._state == _COMMAND:
+                self._command(line)
+            else:
+                self._auth_line(line)
+        if self._state == _WAIT:
+            return self._pending
+        return None
+
+    def _take_line(self) -> str | None:
+        buf = self._buf
+        end = buf.find(b"\n")
+        if end < 0:
+            if len(buf) > MAX_COMMAND_LINE:
+                self._discarding = True
+                buf.clear()
+            return None
+        raw = bytes(buf[:end])
+        del buf[: end + 1]
+        if self._discarding or end >= MAX_COMMAND_LINE:
+            self._discarding = False
+            return _OVERLONG
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        return raw.decode("utf-8", "surrogateescape")
+
+    def _take_data(self) -> bool:
+        """Collect message data up to <CRLF>.<CRLF>; False when more input is needed."""
+        data = self._data
+        data += self._buf
+        self._buf.clear()
+        end = data.find(b"\r\n.\r\n", self._data_scan)
+        if end < 0:
+            self._data_scan = max(0, len(data) - 4)
+            if len(data) > self.settings.max_message_size + 2:
+                # Too big: keep reading to the end, but keep nothing but the tail.
+                self._data_overflow = True
+                del data[:-4]
+                self._data_scan = 0
+            return False
+        self._buf[:0] = data[end + 5 :]
+        # `data` starts with a CRLF sentinel so that the terminator and the
+        # dot-unstuffing need no special case on the first line.
+        content = bytes(data[: end + 2]).replace(b"\r\n.", b"\r\n")[2:]
+        self._data = bytearray()
+        self._data_scan = 0
+        overflow, self._data_overflow = self._data_overflow, False
+        self._state = _COMMAND
+        self._finish_data(content, overflow)
+        return True
+
+    def _finish_data(self, content: bytes, overflow: bool) -> None:
+        envelope = self.envelope
+        assert envelope is not None
+        if overflow or len(content) > self.settings.max_message_size:
+            self.envelope = None
+            self._error("552 5.3.4 Error: message too big for system")
+            return
+        if _BARE_NEWLINE.search(content):
+            if self.settings.bare_newline == "reject":
+                self.envelope = None
+                self._error(
+                    "550 5.6.0 Error: bare <CR> or <LF> in message content (RFC 5321 2.3.8)"
+                )
+                return
+            content = _BARE_NEWLINE.sub(b"\r\n", content)
+        if _LONG_LINE.search(content):
+            self.envelope = None
+            self._error("550 5.6.0 Error: message has a line over 998 characters (RFC 5322 2.1.1)")
+            return
+        self._wait(Submit(envelope, content, self.helo, self.user))
+
+    # -- commands ---------------------------------------------------------
+
+    def _command(self, line: str) -> None:
+        verb, _, arg = line.partition(" ")
+        handler = _COMMANDS.get(verb.upper())
+        if handler is None:
+            self._error("502 5.5.1 Error: command not recognized")
+            return
+        handler(self, arg.strip())
+
+    def _ehlo(self, arg: str) -> None:
+        self._helo(arg, esmtp=True)
+
+    def _helo(self, arg: str, esmtp: bool = False) -> None:
+        if not arg:
+            self._error(f"501 5.5.4 Syntax: {'EHLO' if esmtp else 'HELO'} hostname")
+            return
+        self.helo, self.esmtp, self.envelope = arg, esmtp, None
+        s = self.settings
+        if not esmtp:
+            self._reply(f"250 {s.hostname}")
+            return
+        lines = [s.hostname, "PIPELINING", f"SIZE {s.max_message_size}", "8BITMIME", "SMTPUTF8"]
+        lines += ["DSN", "ENHANCEDSTATUSCODES"]
+        if s.tls_available and not self.tls:
+            lines.append("STARTTLS")
+        if s.auth_available and self.tls:
+            lines.append("AUTH PLAIN LOGIN")
+        self._reply("\r\n".join(f"250-{x}" for x in lines[:-1]) + f"\r\n250 {lines[-1]}")
+
+    def _mail(self, arg: str) -> None:
+        if not self.helo:
+            self._error("503 5.5.1 Error: send HELO/EHLO first")
+            return
+        if self.envelope is not None:
+            self._error("503 5.5.1 Error: nested MAIL command")
+            return
+        if self.settings.auth_required and self.user is None:
+            self._error("530 5.7.0 Authentication required")
+            return
+        rest = _strip_keyword(arg, "FROM:")
+        if rest is None:
+            self._error("501 5.5.4 Syntax: MAIL FROM:<address>")
+            return
+        try:
+            sender, params = split_path(rest)
+            envelope = Envelope(sender=sender)
+            self._mail_params(envelope, params)
+            if sender:
+                check_mailbox(sender, utf8=envelope.smtputf8)
+        except AddressError as exc:
+            self._error(f"501 5.1.7 Bad sender address syntax: {exc}")
+            return
+        except _ParamError as exc:
+            self._error(str(exc))
+            return
+        if not self._storage_ok():
+            self._error("452 4.3.1 Insufficient system storage")
+            return
+        self.envelope = envelope
+        self._reply("250 2.1.0 Ok")
+
+    def _mail_params(self, envelope: Envelope, params: str) -> None:
+        if params and not self.esmtp:
+            raise _ParamError("555 5.5.4 Error: parameters need EHLO")
+        for key, value in _params(params):
+            if key == "SIZE":
+                if not value.isdigit():
+                    raise _ParamError("501 5.5.4 Error: bad SIZE value")
+                if int(value) > self.settings.max_message_size:
+                    raise _ParamError("552 5.3.4 Error: message size exceeds fixed limit")
+            elif key == "BODY":
+                body = value.upper()
+                if body not in ("7BIT", "8BITMIME"):
+                    raise _ParamError("501 5.5.4 Error: BODY must be 7BIT or 8BITMIME")
+                envelope.body = body
+            elif key == "SMTPUTF8" and not value:
+                envelope.smtputf8 = True
+            elif key == "RET" and value.upper() in ("FULL", "HDRS"):
+                envelope.ret = value.upper()
+            elif key == "ENVID" and value:
+                try:
+                    envid = xtext_decode(value)
+                except AddressError:
+                    raise _ParamError("501 5.5.4 Error: ENVID is not valid xtext") from None
+                if len(envid) > 100:
+                    raise _ParamError("501 5.5.4 Error: ENVID longer than 100 characters")
+                envelope.envid = envid  # RFC 3461 4.4: kept exactly, case included
+            elif key == "AUTH":
+                pass  # RFC 4954 5: we may ignore it
+            else:
+                raise _ParamError(f"555 5.5.4 Error: unsupported MAIL parameter {key}")
+
+    def _rcpt(self, arg: str) -> None:
+        envelope = self.envelope
+        if envelope is None:
+            self._error("503 5.5.1 Error: need MAIL command")
+            return
+        rest = _strip_keyword(arg, "TO:")
+        if rest is None:
+            self._error("501 5.5.4 Syntax: RCPT TO:<address>")
+            return
+        try:
+            address, params = split_path(rest)
+            check_mailbox(address, utf8=envelope.smtputf8)
+            notify, orcpt = self._rcpt_params(params)
+        except AddressError as exc:
+            self._error(f"501 5.1.3 Bad recipient address syntax: {exc}")
+            return
+        except _ParamError as exc:
+            self._error(str(exc))
+            return
+        if not (self.may_relay or self.user is not None):
+            self._error(f"554 5.7.1 <{address}>: Relay access denied")
+            return
+        if len(envelope.recipients) >= self.settings.max_recipients:
+            self._error("452 4.5.3 Error: too many recipients")
+            return
+        envelope.recipients.append(Recipient(address, orcpt=orcpt, notify=notify))
+        self._reply("250 2.1.5 Ok")
+
+    def _rcpt_params(self, params: str) -> tuple[str | None, str | None]:
+        if params and not self.esmtp:
+            raise _ParamError("555 5.5.4 Error: parameters need EHLO")
+        notify = orcpt = None
+        for key, value in _params(params):
+            if key == "NOTIFY":
+                words = value.upper().split(",")
+                if words != ["NEVER"] and not (words and set(words) <= _NOTIFY_VALUES):
+                    raise _ParamError(
+                        "501 5.5.4 Error: NOTIFY must be NEVER or SUCCESS,FAILURE,DELAY"
+                    )
+                notify = ",".join(words)
+            elif key == "ORCPT":
+                addr_type, semi, xtext = value.partition(";")
+                if not semi or not addr_type or not xtext:
+                    raise _ParamError("501 5.5.4 Error: ORCPT must be addr-type;address")
+                try:
+                    orcpt = f"{addr_type};{xtext_decode(xtext)}"
+                except AddressError:
+                    raise _ParamError("501 5.5.4 Error: ORCPT is not valid xtext") from None
+                if len(value) > 500:
+                    raise _ParamError("501 5.5.4 Error: ORCPT longer than 500 characters")
+            else:
+                raise _ParamError(f"555 5.5.4 Error: unsupported RCPT parameter {key}")
+        return notify, orcpt
+
+    def _data_cmd(self, arg: str) -> None:
+        if self.envelope is None:
+            self._error("503 5.5.1 Error: need MAIL command")
+            return
+        if not self.envelope.recipients:
+            self._error("554 5.5.1 Error: no valid recipients")
+            return
+        if arg:
+            self._error("501 5.5.4 Syntax: DATA")
+            return
+        self._reply("354 End data with <CR><LF>.<CR><LF>")
+        self._state = _DATA
+        self._data = bytearray(b"\r\n")
+
+    def _rset(self, arg: str) -> None:
+        self.envelope = None
+        self._reply("250 2.0.0 Ok")
+
+    def _noop(self, arg: str) -> None:
+        self._reply("250 2.0.0 Ok")
+
+    def _vrfy(self, arg: str) -> None:
+        self._reply("252 2.0.0 Cannot VRFY user, but will accept message and attempt delivery")
+
+    def _help(self, arg: str) -> None:
+        self._reply("214 2.0.0 See RFC 5321")
+
+    def _quit(self, arg: str) -> None:
+        self._reply("221 2.0.0 Bye")
+        self._close()
+
+    def _starttls(self, arg: str) -> None:
+        if not self.settings.tls_available:
+            self._error("502 5.5.1 Error: STARTTLS not available")
+        elif self.tls:
+            self._error("503 5.5.1 Error: TLS already active")
+        elif arg:
+            self._error("501 5.5.4 Syntax: STARTTLS")
+        else:
+            self._reply("220 2.0.0 Ready to start TLS")
+            # Anything pipelined after STARTTLS was sent in clear text: drop it
+            # (the CVE-2011-0411 command injection).
+            self._buf.clear()
+            self._wait(StartTLS())
+
+    def _auth(self, arg: str) -> None:
+        if not self.settings.auth_available:
+            self._error("502 5.5.1 Error: authentication not enabled")
+            return
+        if not self.tls:
+            self._error("538 5.7.11 Encryption required for requested authentication mechanism")
+            return
+        if self.user is not None:
+            self._error("503 5.5.1 Error: already authenticated")
+            return
+        if self.envelope is not None:
+            self._error("503 5.5.1 Error: AUTH not allowed during a mail transaction")
+            return
+        mechanism, _, initial = arg.partition(" ")
+        mechanism = mechanism.upper()
+        if mechanism == "PLAIN":
+            if initial:
+                self._auth_plain(initial)
+            else:
+                self._state = _AUTH_PLAIN
+                self._reply("334 ")
+        elif mechanism == "LOGIN":
+            if initial:
+                self._auth_line_user(initial)
+            else:
+                self._state = _AUTH_USER
+                self._reply("334 VXNlcm5hbWU6")  # "Username:"
+        else:
+            self._error("504 5.5.4 Error: unsupported authentication mechanism")
+
+    def _auth_line(self, line: str) -> None:
+        state, self._state = self._state, _COMMAND
+        if line.strip() == "*":
+            self._error("501 5.7.0 Error: authentication cancelled")
+        elif state == _AUTH_PLAIN:
+            self._auth_plain(line)
+        elif state == _AUTH_USER:
+            self._auth_line_user(line)
+        else:
+            password = _b64(line)
+            if password is None:
+                self._error("501 5.5.2 Error: invalid base64 data")
+            else:
+                self._wait(CheckCredentials(self._auth_user, password))
+
+    def _auth_line_user(self, line: str) -> None:
+        user = _b64(line)
+        if user is None:
+            self._error("501 5.5.2 Error: invalid base64 data")
+            return
+        self._auth_user = user
+        self._state = _AUTH_PASS
+        self._reply("334 UGFzc3dvcmQ6")  # "Password:"
+
+    def _auth_plain(self, line: str) -> None:
+        decoded = _b64(line)
+        parts = decoded.split("\0") if decoded is not None else []
+        if len(parts) != 3 or not parts[1]:
+            self._error("501 5.5.2 Error: invalid PLAIN credentials")
+            return
+        self._wait(CheckCredentials(parts[1], parts[2]))
+
+    # -- helpers -------------------------------------------------------------
+
+    def _wait(self, action: Action) -> None:
+        self._pending = action
+        self._state = _WAIT
+
+    def _reply(self, text: str) -> None:
+        self._out.append(text)
+
+    def _error(self, text: str) -> None:
+        self._out.append(text)
+        self._errors += 1
+        if self._errors >= MAX_ERRORS:
+            self._out.append(f"421 4.7.0 {self.settings.hostname} Error: too many errors")
+            self._close()
+
+    def _close(self) -> None:
+        self._state = _CLOSED
+        self.closed = True
+        self._buf.clear()
+
+
+class _ParamError(Exception):
+    """A MAIL/RCPT parameter is refused; the message is the full reply."""
+
+
+def _strip_keyword(arg: str, keyword: str) -> str | None:
+    if arg[: len(keyword)].upper() != keyword:
+        return None
+    return arg[len(keyword) :]
+
+
+def _params(text: str):
+    for word in text.split():
+        key, _, value = word.partition("=")
+        yield key.upper(), value
+
+
+def _b64(text: str) -> str | None:
+    try:
+        return base64.b64decode(text.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+_COMMANDS = {
+    "EHLO": ServerSession._ehlo,
+    "HELO": ServerSession._helo,
+    "MAIL": ServerSession._mail,
+    "RCPT": ServerSession._rcpt,
+    "DATA": ServerSession._data_cmd,
+    "RSET": ServerSession._rset,
+    "NOOP": ServerSession._noop,
+    "VRFY": ServerSession._vrfy,
+    "HELP": ServerSession._help,
+    "QUIT": ServerSession._quit,
+    "STARTTLS": ServerSession._starttls,
+    "AUTH": ServerSession._auth,
+}

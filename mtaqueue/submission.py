@@ -1,0 +1,164 @@
+"""Turn a received transaction into a queue record (pure; no I/O).
+
+Reads and removes our X-Mtaqueue-* submission headers, adds the trace header
+(Received) and the Message-ID/Date an application forgot, and refuses with a
+clear 5xx what cannot be queued (unknown class, bad expiry).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from email.utils import formatdate
+
+from .model import Message
+from .smtp.server_session import Submit
+
+CLASS_HEADER = b"x-mtaqueue-class"
+EXPIRES_HEADER = b"x-mtaqueue-expires"
+KEY_HEADER = b"x-mtaqueue-idempotency-key"
+_OURS = (CLASS_HEADER, EXPIRES_HEADER, KEY_HEADER)
+MAX_KEY_LENGTH = 256
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\Z")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+
+
+@dataclass(frozen=True, slots=True)
+class SubmissionSettings:
+    hostname: str
+    classes: tuple[str, ...]
+    default_class: str
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """Who handed us the message, for the trace header and the record."""
+
+    queue_id: str
+    now: float
+    client: str
+    tls: bool
+
+
+class Refused(Exception):
+    """The message cannot be queued; the message is the SMTP reply."""
+
+
+def prepare(
+    submit: Submit, received: Received, settings: SubmissionSettings
+) -> tuple[Message, bytes]:
+    """Return the queue record and the content to store, or raise Refused."""
+    header_end = _header_end(submit.content)
+    fields = _fields(submit.content[:header_end])
+    ours: dict[bytes, str] = {}
+    kept: list[bytes] = []
+    has_message_id = has_date = False
+    for name, raw in fields:
+        if name in _OURS:
+            ours[name] = raw.split(b":", 1)[1].decode("utf-8", "replace").strip()
+            continue
+        has_message_id = has_message_id or name == b"message-id"
+        has_date = has_date or name == b"date"
+        kept.append(raw)
+
+    klass = ours.get(CLASS_HEADER) or settings.default_class
+    if klass not in settings.classes:
+        known = ", ".join(settings.classes)
+        raise Refused(f"554 5.6.0 Unknown class {klass!r} in X-Mtaqueue-Class (known: {known})")
+    expires = None
+    if EXPIRES_HEADER in ours:
+        expires = _expiry(ours[EXPIRES_HEADER], received.now)
+    key = ours.get(KEY_HEADER) or None
+    if key is not None and len(key) > MAX_KEY_LENGTH:
+        raise Refused(f"554 5.6.0 X-Mtaqueue-Idempotency-Key longer than {MAX_KEY_LENGTH}")
+
+    envelope = submit.envelope
+    added = [_received(submit, received, settings.hostname)]
+    if not has_message_id:
+        added.append(f"Message-ID: <{received.queue_id}@{settings.hostname}>".encode())
+    if not has_date:
+        added.append(f"Date: {formatdate(received.now, localtime=True)}".encode())
+    content = b"\r\n".join(added + kept) + b"\r\n" + submit.content[header_end:]
+
+    message = Message(
+        id=received.queue_id,
+        sender=envelope.sender,
+        recipients=tuple(_unique(envelope.recipients)),
+        created=received.now,
+        size=len(content),
+        klass=klass,
+        expires=expires,
+        idempotency_key=key,
+        envid=envelope.envid,
+        ret=envelope.ret,
+        body=envelope.body,
+        smtputf8=envelope.smtputf8,
+        tenant=submit.user,
+        client=received.client,
+        helo=submit.helo,
+    )
+    return message, content
+
+
+def _header_end(content: bytes) -> int:
+    """Offset of the blank line that ends the header (content is CRLF-normalized)."""
+    if content.startswith(b"\r\n"):
+        return 0
+    end = content.find(b"\r\n\r\n")
+    return len(content) if end < 0 else end + 2
+
+
+def _fields(header: bytes) -> list[tuple[bytes, bytes]]:
+    """Header fields as (lower-case name, raw field with folding, no final CRLF)."""
+    fields: list[tuple[bytes, bytes]] = []
+    for line in header.split(b"\r\n"):
+        if not line:
+            continue
+        if line[:1] in (b" ", b"\t") and fields:
+            name, raw = fields[-1]
+            fields[-1] = (name, raw + b"\r\n" + line)
+        else:
+            fields.append((line.split(b":", 1)[0].strip().lower(), line))
+    return fields
+
+
+def _expiry(value: str, now: float) -> float:
+    match = _DURATION.match(value.strip())
+    if match:
+        at = now + float(match.group(1)) * _UNITS[match.group(2)]
+    else:
+        try:
+            when = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise Refused(
+                "554 5.6.0 X-Mtaqueue-Expires must be an RFC 3339 time or a duration like 2h"
+            ) from None
+        if when.tzinfo is None:
+            raise Refused("554 5.6.0 X-Mtaqueue-Expires needs a time zone (e.g. Z or +01:00)")
+        at = when.timestamp()
+    if at <= now:
+        raise Refused("554 5.6.0 X-Mtaqueue-Expires is already past")
+    return at
+
+
+def _received(submit: Submit, received: Received, hostname: str) -> bytes:
+    envelope = submit.envelope
+    proto = ("UTF8SMTP" if envelope.smtputf8 else "ESMTP") + ("S" if received.tls else "")
+    proto += "A" if submit.user else ""
+    rcpt = envelope.recipients
+    target = f"\r\n\tfor <{rcpt[0].address}>" if len(rcpt) == 1 else ""
+    helo = submit.helo.replace("(", "").replace(")", "")
+    text = (
+        f"Received: from {helo} ([{received.client}])\r\n\tby {hostname} (mtaqueue) with {proto}"
+        f" id {received.queue_id}{target}; {formatdate(received.now, localtime=True)}"
+    )
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _unique(recipients):
+    seen: set[str] = set()
+    for rcpt in recipients:
+        if rcpt.address not in seen:
+            seen.add(rcpt.address)
+            yield rcpt

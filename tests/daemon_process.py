@@ -1,0 +1,129 @@
+"""Run the real daemon as a subprocess for end-to-end tests.
+
+The daemon binds port 0 and announces its address in the `ready` log event;
+every log line (JSON) is kept so tests can assert on events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import smtplib
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+READY_TIMEOUT = 30.0
+
+
+class DaemonProcess:
+    def __init__(self, workdir: Path, *overrides: str, config: str | None = None) -> None:
+        self.workdir = workdir
+        self.spool = workdir / "spool"
+        self.socket = workdir / "control.sock"
+        self.config_path = workdir / "mtaqueue.toml"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(config or "")
+        self.overrides = [
+            f"spool.path={self.spool}",
+            f"control.socket={self.socket}",
+            "listen.address=127.0.0.1:0",
+            "listen.hostname=mx.test",
+            *overrides,
+        ]
+        self.events: list[dict] = []
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    # -- life ---------------------------------------------------------------------
+
+    def start(self) -> DaemonProcess:
+        args = [sys.executable, "-m", "mtaqueue.daemon", "-c", str(self.config_path)]
+        for item in self.overrides:
+            args += ["-o", item]
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.workdir
+        )
+        ready = threading.Event()
+        threading.Thread(target=self._read_log, args=(self.proc, ready), daemon=True).start()
+        if not ready.wait(READY_TIMEOUT) or self.port == 0:
+            self.kill()
+            raise RuntimeError(f"daemon did not become ready; log: {self.events[-5:]}")
+        return self
+
+    def _read_log(self, proc: subprocess.Popen, ready: threading.Event) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = {"event": "non_json", "text": line.decode(errors="replace")}
+            self.events.append(event)
+            if event.get("event") == "ready":
+                self.port = int(event["listen"][0].rsplit(":", 1)[1])
+                ready.set()
+        ready.set()  # exited before ready
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> DaemonProcess:
+        if self.proc is not None and self.proc.poll() is None:
+            assert self.stop() == 0
+        self.events.clear()
+        return self.start()
+
+    # -- talking to it -------------------------------------------------------------
+
+    def smtp(self) -> smtplib.SMTP:
+        client = smtplib.SMTP("127.0.0.1", self.port, timeout=30)
+        client.ehlo("client.test")
+        return client
+
+    def send(self, sender: str, recipients: list[str], content: bytes, **kw) -> str:
+        """Submit one message; returns the queue id from the 250 reply."""
+        with self.smtp() as client:
+            client.mail(sender, kw.get("mail_options", []))
+            for rcpt in recipients:
+                code, reply = client.rcpt(rcpt, kw.get("rcpt_options", []))
+                assert code == 250, reply
+            code, reply = client.data(content)
+        assert code == 250, reply
+        return reply.decode().rsplit(" ", 1)[1]
+
+    def ctl(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "mtaqueue.control.ctl", "-s", str(self.socket), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def messages(self) -> dict[str, dict]:
+        result = self.ctl("list", "--json")
+        assert result.returncode == 0, result.stderr
+        return {m["id"]: m for m in map(json.loads, result.stdout.splitlines())}
+
+    def wait_event(self, name: str, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for event in list(self.events):
+                if event.get("event") == name:
+                    return event
+            time.sleep(0.02)
+        raise AssertionError(f"no {name!r} event in {timeout}s")
+
+
+def environment_has_root() -> bool:
+    return os.geteuid() == 0
