@@ -308,9 +308,7 @@ class Spool:
                 continue
             opened.append((job, fd, tmp))
             try:
-                head = prelude_and_header(job.message, job.content)
-                if os.writev(fd, [head, job.content]) != len(head) + len(job.content):
-                    raise OSError(errno.EIO, "short write")
+                _write_all(fd, prelude_and_header(job.message, job.content), job.content)
             except OSError as exc:
                 job.error = _storage_error(exc)
         # Syncing after all writes lets the file system flush the round together.
@@ -414,6 +412,14 @@ def _id_or_zero(name: str) -> str:
     except ValueError:
         return "0"
     return name
+
+
+def _write_all(fd: int, head: bytes, content: bytes) -> None:
+    written = os.writev(fd, [head, content])
+    rest = memoryview(head + content if written < len(head) else content)
+    rest = rest[written if written < len(head) else written - len(head) :]
+    while rest:  # a short write near a full disk: the next write says ENOSPC
+        rest = rest[os.write(fd, rest) :]
 
 
 def _fsync_dir(path: Path) -> None:
