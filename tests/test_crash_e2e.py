@@ -129,10 +129,17 @@ def test_full_disk_answers_452_and_keeps_serving(start_daemon, small_fs):
 
 
 def test_free_space_threshold_refuses_before_the_disk_is_full(start_daemon, small_fs):
-    daemon = start_daemon("spool.min_free=99%", workdir=small_fs)
-    code, reply = send(daemon, body("a"))
+    daemon = start_daemon("spool.min_free=40%", workdir=small_fs)
+    assert send(daemon, body("a"))[0] == 250
+    (small_fs / "ballast").write_bytes(b"x" * 3 * 1024 * 1024)  # someone else fills the disk
+    time.sleep(2.5)  # the daemon notices within its refresh period
+    code, reply = send(daemon, body("b"))
     assert code == 452 and "4.3.1" in reply
-    assert daemon.messages() == {}
+    (small_fs / "ballast").unlink()
+    time.sleep(2.5)
+    assert send(daemon, body("c"))[0] == 250
+    assert len(daemon.messages()) == 2
+    assert daemon.wait_event("spool_space_low") and daemon.wait_event("spool_space_ok")
 
 
 def test_io_error_answers_451(start_daemon, small_fs):
