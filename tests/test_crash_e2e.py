@@ -142,14 +142,17 @@ def test_free_space_threshold_refuses_before_the_disk_is_full(start_daemon, smal
     assert daemon.wait_event("spool_space_low") and daemon.wait_event("spool_space_ok")
 
 
-def test_io_error_answers_451(start_daemon, small_fs):
-    daemon = start_daemon("spool.min_free=0", workdir=small_fs)
+def test_write_error_answers_451_and_recovers(daemon):
     assert send(daemon, body("before"))[0] == 250
-    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    layout = SpoolLayout(daemon.spool)
+    parked = daemon.spool / "msg.parked"
+    layout.messages.rename(parked)
+    layout.messages.write_bytes(b"")  # every message path now fails with ENOTDIR
     try:
         code, reply = send(daemon, body("during"))
     finally:
-        subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
+        layout.messages.unlink()
+        parked.rename(layout.messages)
     assert code == 451 and "4.3.0" in reply
     assert send(daemon, body("after"))[0] == 250
     assert len(daemon.messages()) == 2
