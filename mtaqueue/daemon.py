@@ -106,7 +106,9 @@ class Daemon:
         control = ControlServer(
             config.control_socket_path(self.cfg),
             self.cfg.control.mode,
-            queue_commands(lambda: self.spool.messages.values(), self.spool.messages.get, self.info),
+            queue_commands(
+                lambda: self.spool.messages.values(), self.spool.messages.get, self.info
+            ),
         )
         try:
             await listener.start()

@@ -56,7 +56,8 @@ def prepare(
     has_message_id = has_date = False
     for name, raw in fields:
         if name in _OURS:
-            ours[name] = raw.split(b":", 1)[1].decode("utf-8", "replace").strip()
+            value = raw.partition(b":")[2].replace(b"\r\n", b"")  # unfold
+            ours[name] = value.decode("utf-8", "replace").strip()
             continue
         has_message_id = has_message_id or name == b"message-id"
         has_date = has_date or name == b"date"
@@ -74,7 +75,8 @@ def prepare(
         raise Refused(f"554 5.6.0 X-Mtaqueue-Idempotency-Key longer than {MAX_KEY_LENGTH}")
 
     envelope = submit.envelope
-    added = [_received(submit, received, settings.hostname)]
+    recipients = tuple(_unique(envelope.recipients))
+    added = [_received(submit, received, settings.hostname, recipients)]
     if not has_message_id:
         added.append(f"Message-ID: <{received.queue_id}@{settings.hostname}>".encode())
     if not has_date:
@@ -84,7 +86,7 @@ def prepare(
     message = Message(
         id=received.queue_id,
         sender=envelope.sender,
-        recipients=tuple(_unique(envelope.recipients)),
+        recipients=recipients,
         created=received.now,
         size=len(content),
         klass=klass,
@@ -142,11 +144,10 @@ def _expiry(value: str, now: float) -> float:
     return at
 
 
-def _received(submit: Submit, received: Received, hostname: str) -> bytes:
-    envelope = submit.envelope
-    proto = ("UTF8SMTP" if envelope.smtputf8 else "ESMTP") + ("S" if received.tls else "")
-    proto += "A" if submit.user else ""
-    rcpt = envelope.recipients
+def _received(submit: Submit, received: Received, hostname: str, rcpt: tuple) -> bytes:
+    # RFC 3848 / RFC 6531 protocol names: ESMTP, ESMTPS, ESMTPSA, UTF8SMTPS, ...
+    proto = "UTF8SMTP" if submit.envelope.smtputf8 else "ESMTP" if submit.esmtp else "SMTP"
+    proto += ("S" if received.tls else "") + ("A" if submit.user else "")
     target = f"\r\n\tfor <{rcpt[0].address}>" if len(rcpt) == 1 else ""
     helo = submit.helo.replace("(", "").replace(")", "")
     text = (

@@ -103,7 +103,9 @@ def test_unknown_class_refused_at_data(daemon):
 
 def test_limits_size_recipients_relay(start_daemon):
     daemon = start_daemon(
-        "listen.max_message_size=4096", "listen.max_recipients=2", 'listen.mynetworks=["10.0.0.0/8"]'
+        "listen.max_message_size=4096",
+        "listen.max_recipients=2",
+        'listen.mynetworks=["10.0.0.0/8"]',
     )
     with daemon.smtp() as client:
         code, _ = client.mail("app@example.com")

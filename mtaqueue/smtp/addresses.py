@@ -14,13 +14,14 @@ MAX_DOMAIN = 255
 MAX_PATH = 256
 
 # atext of RFC 5322 3.2.3; with SMTPUTF8 any non-ASCII character is allowed too.
-_ATEXT = r"A-Za-z0-9!#$%&'*+/=?^_`{|}~-"
+_ATEXT = r"A-Za-z0-9!#$%&'*+/=?^_`{|}~\-"
+_UTF8 = "\u0080-\ud7ff\ue000-\U0010ffff"  # any non-ASCII character but lone surrogates
 _DOT_STRING = re.compile(rf"[{_ATEXT}]+(\.[{_ATEXT}]+)*\Z")
-_DOT_STRING_UTF8 = re.compile(rf"[{_ATEXT}\u0080-\U0010ffff]+(\.[{_ATEXT}\u0080-\U0010ffff]+)*\Z")
+_DOT_STRING_UTF8 = re.compile(rf"[{_ATEXT}{_UTF8}]+(\.[{_ATEXT}{_UTF8}]+)*\Z")
 _QUOTED = re.compile(r'"([\x20\x21\x23-\x5b\x5d-\x7e]|\\[\x20-\x7e])*"\Z')
-_QUOTED_UTF8 = re.compile(r'"([\x20\x21\x23-\x5b\x5d-\x7e\u0080-\U0010ffff]|\\[\x20-\x7e])*"\Z')
+_QUOTED_UTF8 = re.compile(rf'"([\x20\x21\x23-\x5b\x5d-\x7e{_UTF8}]|\\[\x20-\x7e])*"\Z')
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\Z")
-_LABEL_UTF8 = re.compile(r"[A-Za-z0-9\u0080-\U0010ffff]([A-Za-z0-9\u0080-\U0010ffff-]*)\Z")
+_LABEL_UTF8 = re.compile(rf"[A-Za-z0-9{_UTF8}]([A-Za-z0-9{_UTF8}\-]*)\Z")
 
 
 class AddressError(ValueError):
@@ -64,7 +65,11 @@ def _closing_bracket(arg: str) -> int:
 
 def check_mailbox(address: str, *, utf8: bool) -> None:
     """Raise AddressError unless `address` is a valid local-part@domain."""
-    if len(address.encode("utf-8")) > MAX_PATH:
+    try:
+        octets = address.encode("utf-8")
+    except UnicodeEncodeError:  # the wire bytes were not UTF-8 (decoded with surrogateescape)
+        raise AddressError("address is not valid UTF-8") from None
+    if len(octets) > MAX_PATH:
         raise AddressError(f"address longer than {MAX_PATH} octets")
     at = address.rfind("@")
     if at <= 0:
@@ -110,12 +115,12 @@ def domain_of(address: str) -> str:
 
 
 def xtext_decode(text: str) -> str:
-    """Decode RFC 3461 xtext ("+XX" hex escapes); raise AddressError if malformed."""
+    """Decode RFC 3461 xtext ("+XX" escapes of UTF-8 octets); raise AddressError if malformed."""
     if "+" not in text:
         if not _xtext_chars_ok(text):
             raise AddressError("invalid xtext")
         return text
-    out: list[str] = []
+    out = bytearray()
     i = 0
     while i < len(text):
         ch = text[i]
@@ -123,18 +128,21 @@ def xtext_decode(text: str) -> str:
             hexpart = text[i + 1 : i + 3]
             if len(hexpart) != 2 or not all(c in "0123456789ABCDEF" for c in hexpart):
                 raise AddressError("invalid xtext escape")
-            out.append(chr(int(hexpart, 16)))
+            out.append(int(hexpart, 16))
             i += 3
         else:
             if not _xtext_chars_ok(ch):
                 raise AddressError("invalid xtext")
-            out.append(ch)
+            out.append(ord(ch))
             i += 1
-    return "".join(out)
+    return out.decode("utf-8", "surrogateescape")
 
 
 def xtext_encode(text: str) -> str:
-    return "".join(ch if "!" <= ch <= "~" and ch not in "+=" else f"+{ord(ch):02X}" for ch in text)
+    return "".join(
+        chr(b) if 0x21 <= b <= 0x7E and b not in b"+=" else f"+{b:02X}"
+        for b in text.encode("utf-8", "surrogateescape")
+    )
 
 
 def _xtext_chars_ok(text: str) -> bool:

@@ -27,8 +27,10 @@ def hash_password(password: str, iterations: int = ITERATIONS) -> str:
 
 
 def verify_password(stored: str, password: str) -> bool:
-    scheme, iterations, salt, digest = stored.split("$")
-    computed = hashlib.pbkdf2_hmac("sha256", password.encode(), bytes.fromhex(salt), int(iterations))
+    _scheme, iterations, salt, digest = stored.split("$")
+    computed = hashlib.pbkdf2_hmac(
+        "sha256", password.encode(), bytes.fromhex(salt), int(iterations)
+    )
     return hmac.compare_digest(computed.hex(), digest)
 
 

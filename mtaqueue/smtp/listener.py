@@ -118,6 +118,8 @@ class SubmissionProtocol(asyncio.Protocol):
         self.client = ""
         self.last_activity = time.monotonic()
         self._waiting = False
+        self._starting_tls = False
+        self._tls_task: asyncio.Future | None = None
         self._tls = False
 
     # -- asyncio callbacks ------------------------------------------------------------
@@ -156,8 +158,8 @@ class SubmissionProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last_activity = time.monotonic()
         session = self.session
-        if session is None:
-            return
+        if session is None or self._starting_tls:
+            return  # clear text sent before the TLS handshake is never executed
         self._continue(session.receive(data))
         if self._waiting and session.buffered > MAX_PIPELINED and self.transport is not None:
             self.transport.pause_reading()
@@ -182,7 +184,8 @@ class SubmissionProtocol(asyncio.Protocol):
             elif isinstance(action, CheckCredentials):
                 self._check_credentials(action)
             elif isinstance(action, StartTLS):
-                asyncio.ensure_future(self._start_tls())
+                self._starting_tls = True
+                self._tls_task = asyncio.ensure_future(self._start_tls())
         elif session.closed:
             transport.close()
         elif self.listener.draining and not session.busy:
@@ -271,6 +274,7 @@ class SubmissionProtocol(asyncio.Protocol):
                 transport.abort()
             return
         self._tls = True
+        self._starting_tls = False
         self._resume(True)
 
     # -- limits ----------------------------------------------------------------------

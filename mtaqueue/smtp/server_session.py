@@ -24,7 +24,7 @@ from .addresses import AddressError, check_mailbox, split_path, xtext_decode
 
 MAX_COMMAND_LINE = 2048  # RFC 5321 allows 512, plus room for DSN parameters
 MAX_ERRORS = 20  # replies with an error before we hang up on a confused client
-_LONG_LINE = re.compile(rb"[^\r\n]{999}")  # RFC 5322 2.1.1: 998 characters + CRLF
+MAX_LINE = 998  # RFC 5322 2.1.1, without the CRLF
 _BARE_NEWLINE = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 _NOTIFY_VALUES = frozenset({"SUCCESS", "FAILURE", "DELAY"})
 _OVERLONG = "\x00overlong"  # _take_line's marker for a line that was too long
@@ -58,6 +58,7 @@ class Submit:
     envelope: Envelope
     content: bytes
     helo: str
+    esmtp: bool
     user: str | None
 
 
@@ -218,7 +219,9 @@ class ServerSession:
         end = data.find(b"\r\n.\r\n", self._data_scan)
         if end < 0:
             self._data_scan = max(0, len(data) - 4)
-            if len(data) > self.settings.max_message_size + 2:
+            # Dot-stuffing adds at most a third (".\r\n" -> "..\r\n"); the exact size
+            # of the unstuffed content is checked at the end.
+            if len(data) > self.settings.max_message_size * 4 // 3 + 8:
                 # Too big: keep reading to the end, but keep nothing but the tail.
                 self._data_overflow = True
                 del data[:-4]
@@ -242,7 +245,7 @@ class ServerSession:
             self.envelope = None
             self._error("552 5.3.4 Error: message too big for system")
             return
-        if _BARE_NEWLINE.search(content):
+        if not content.count(b"\n") == content.count(b"\r\n") == content.count(b"\r"):
             if self.settings.bare_newline == "reject":
                 self.envelope = None
                 self._error(
@@ -250,11 +253,11 @@ class ServerSession:
                 )
                 return
             content = _BARE_NEWLINE.sub(b"\r\n", content)
-        if _LONG_LINE.search(content):
+        if len(content) > MAX_LINE and max(map(len, content.split(b"\r\n"))) > MAX_LINE:
             self.envelope = None
             self._error("550 5.6.0 Error: message has a line over 998 characters (RFC 5322 2.1.1)")
             return
-        self._wait(Submit(envelope, content, self.helo, self.user))
+        self._wait(Submit(envelope, content, self.helo, self.esmtp, self.user))
 
     # -- commands ---------------------------------------------------------
 
@@ -270,7 +273,7 @@ class ServerSession:
         self._helo(arg, esmtp=True)
 
     def _helo(self, arg: str, esmtp: bool = False) -> None:
-        if not arg:
+        if not arg or not arg.isprintable():
             self._error(f"501 5.5.4 Syntax: {'EHLO' if esmtp else 'HELO'} hostname")
             return
         self.helo, self.esmtp, self.envelope = arg, esmtp, None
@@ -332,11 +335,17 @@ class ServerSession:
                 if body not in ("7BIT", "8BITMIME"):
                     raise _ParamError("501 5.5.4 Error: BODY must be 7BIT or 8BITMIME")
                 envelope.body = body
-            elif key == "SMTPUTF8" and not value:
+            elif key == "SMTPUTF8":
+                if value:
+                    raise _ParamError("501 5.5.4 Error: SMTPUTF8 takes no value")
                 envelope.smtputf8 = True
-            elif key == "RET" and value.upper() in ("FULL", "HDRS"):
+            elif key == "RET":
+                if value.upper() not in ("FULL", "HDRS"):
+                    raise _ParamError("501 5.5.4 Error: RET must be FULL or HDRS")
                 envelope.ret = value.upper()
-            elif key == "ENVID" and value:
+            elif key == "ENVID":
+                if not value:
+                    raise _ParamError("501 5.5.4 Error: ENVID needs a value")
                 try:
                     envid = xtext_decode(value)
                 except AddressError:
@@ -451,6 +460,9 @@ class ServerSession:
     def _auth(self, arg: str) -> None:
         if not self.settings.auth_available:
             self._error("502 5.5.1 Error: authentication not enabled")
+            return
+        if not self.esmtp:
+            self._error("503 5.5.1 Error: send EHLO first")
             return
         if not self.tls:
             self._error("538 5.7.11 Encryption required for requested authentication mechanism")

@@ -122,8 +122,7 @@ class Spool:
         self.keys = dict(result.state.keys)
         if self.messages:
             self.ids.advance_past(max(self.messages))
-        self._writer = journal.JournalWriter(self.layout.journal)
-        self._writer.open_next()
+        self._writer = journal.JournalWriter(self.layout.journal)  # starts a fresh segment
         self.refresh_free_space()
         return RecoveryReport(
             messages=len(self.messages),

@@ -1,0 +1,249 @@
+"""`mtaqueue-ctl`: inspect and steer a running mtaqueue daemon over its control socket.
+
+Each subcommand is one `Subcommand` entry: its options, the request it sends and how
+it prints the reply. With ``--json`` the reply's data objects are printed as JSON
+Lines as they arrive. Every error is one line on stderr: exit 2 for usage, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NoReturn, TextIO
+
+import msgspec
+
+from mtaqueue.control import protocol
+from mtaqueue.model import RECIPIENT_STATES
+
+PROG = "mtaqueue-ctl"
+DEFAULT_CONFIG = "/etc/mtaqueue/mtaqueue.toml"
+
+Reply = Iterable[dict[str, Any]]
+
+
+class UsageError(Exception):
+    pass
+
+
+class Failure(Exception):
+    """Ends the ctl with exit 1 and the message on stderr."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the usage and exits; the contract wants one line and our exit code.
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    help: str
+    options: Callable[[argparse.ArgumentParser], None]
+    request: Callable[[argparse.Namespace], tuple[str, dict[str, Any]]]
+    show: Callable[[Reply, TextIO], None]  # human output; --json prints the objects
+
+
+def _time(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
+
+
+def _value(key: str, value: Any) -> str:
+    if key == "sender" and value == "":
+        return "<>"
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if key in ("created", "expires", "next_attempt"):
+        return _time(value)
+    return str(value)
+
+
+# status
+
+
+def _status_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "status", {}
+
+
+def _status_show(reply: Reply, out: TextIO) -> None:
+    for status in reply:
+        rows = [("messages", status["messages"]), ("recipients", status["recipients"])]
+        rows += [(f"  {state}", n) for state, n in status["by_state"].items()]
+        rows.append(("classes", ", ".join(f"{k} {n}" for k, n in status["by_class"].items())))
+        skip = {"messages", "recipients", "by_state", "by_class"}
+        rows += [(key, value) for key, value in status.items() if key not in skip]
+        out.writelines(f"{key:<14} {_value(key, value)}\n" for key, value in rows)
+
+
+# list
+
+
+def _list_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--class", dest="klass", metavar="CLASS", help="only this class")
+    parser.add_argument(
+        "--state", choices=RECIPIENT_STATES, help="only messages with a recipient in this state"
+    )
+    parser.add_argument("--domain", help="only messages with a recipient at this domain")
+    parser.add_argument("--sender", help="only this sender ('<>' for the null sender)")
+    held = parser.add_mutually_exclusive_group()
+    held.add_argument("--held", action="store_const", const=True, help="only held messages")
+    held.add_argument(
+        "--not-held", dest="held", action="store_const", const=False, help="only other messages"
+    )
+
+
+def _list_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    filters = {
+        "class": args.klass,
+        "state": args.state,
+        "domain": args.domain,
+        "sender": args.sender,
+        "held": args.held,
+    }
+    return "list", {k: v for k, v in filters.items() if v is not None}
+
+
+def _list_show(reply: Reply, out: TextIO) -> None:
+    count = size = 0
+    for msg in reply:
+        count += 1
+        size += msg["size"]
+        held = "  (held)" if msg["held"] else ""
+        out.write(
+            f"{msg['id']} {msg['size']:>9} {_time(msg['created'])} {msg['class']:<4}"
+            f" {msg['sender'] or '<>'}{held}\n"
+        )
+        for rcpt in msg["recipients"]:
+            line = f"    {rcpt['address']}  {rcpt['state']}"
+            if attempts := rcpt["attempts"]:
+                line += f", {attempts} attempt{'s' if attempts > 1 else ''}"
+            if rcpt["next_attempt"] is not None:
+                line += f", next {_time(rcpt['next_attempt'])}"
+            if rcpt["last_reply"]:
+                line += f": {rcpt['last_reply']}"
+            out.write(line + "\n")
+    out.write(f"-- {count} messages, {size} bytes\n")
+
+
+# show
+
+
+def _show_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("id", help="queue id")
+
+
+def _show_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "show", {"id": args.id}
+
+
+def _show_show(reply: Reply, out: TextIO) -> None:
+    for msg in reply:
+        for key, value in msg.items():
+            if key != "recipients":
+                out.write(f"{key:<16} {_value(key, value)}\n")
+        for rcpt in msg["recipients"]:
+            out.write(f"recipient        {rcpt['address']}\n")
+            for key, value in rcpt.items():
+                if key != "address":
+                    out.write(f"  {key:<14} {_value(key, value)}\n")
+
+
+def _no_options(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "status": Subcommand("counts and daemon info", _no_options, _status_request, _status_show),
+    "list": Subcommand("one entry per queued message", _list_options, _list_request, _list_show),
+    "show": Subcommand("every field of one message", _show_options, _show_request, _show_show),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Inspect and steer a running mtaqueue daemon.")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("-c", "--config", metavar="FILE", help="daemon config to find the socket")
+    where.add_argument("-s", "--socket", metavar="SOCKET", help="control socket path")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, sub in SUBCOMMANDS.items():
+        sub_parser = commands.add_parser(name, help=sub.help, description=sub.help)
+        sub_parser.add_argument("--json", action="store_true", help="print JSON Lines")
+        sub.options(sub_parser)
+    return parser
+
+
+def _socket_path(args: argparse.Namespace) -> str:
+    if args.socket:
+        return args.socket
+    from mtaqueue import config  # only when needed: -s works without a readable config
+
+    path = args.config or os.environ.get("MTAQUEUE_CONFIG") or DEFAULT_CONFIG
+    try:
+        return config.control_socket_path(config.load(path, []))
+    except config.ConfigError as exc:
+        raise Failure(str(exc)) from None
+    except OSError as exc:
+        raise Failure(f"cannot read config {path}: {exc.strerror or exc}") from None
+
+
+def _connect(path: str) -> socket.socket:
+    try:
+        return protocol.connect(path)
+    except OSError as exc:
+        hint = ""
+        if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)):
+            hint = " (is the daemon running?)"
+        raise Failure(f"cannot connect to {path}: {exc.strerror or exc}{hint}") from None
+
+
+def _print_json(reply: Reply, out: TextIO) -> None:
+    encode = msgspec.json.encode
+    out.writelines(encode(obj).decode() + "\n" for obj in reply)
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> None:
+    sub = SUBCOMMANDS[args.command]
+    cmd, cmd_args = sub.request(args)
+    printer = _print_json if args.json else sub.show
+    with _connect(_socket_path(args)) as sock:
+        try:
+            printer(protocol.request(sock, cmd, cmd_args), out)
+        except (protocol.RemoteError, protocol.ProtocolError) as exc:
+            raise Failure(str(exc)) from None
+    out.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        _run(args, sys.stdout)
+    except UsageError as exc:
+        return _fail(str(exc), 2)
+    except Failure as exc:
+        return _fail(str(exc), 1)
+    except BrokenPipeError:  # protocol.request translates the socket's own errors
+        # The reader (e.g. head) has gone: stop quietly, and point stdout at /dev/null
+        # so that the interpreter's final flush does not complain again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _fail(message: str, code: int) -> int:
+    sys.stderr.write(f"{PROG}: {message}\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""What the control socket shows of the queue: plain data for JSON, no I/O.
+
+The contract (`list --json`) fixes the field names; a held message shows its
+pending recipients as ``held`` so that every view agrees with the list.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from mtaqueue.model import FINAL_STATES, HELD, RECIPIENT_STATES, Message, Recipient
+
+
+class Filters(msgspec.Struct, forbid_unknown_fields=True, rename={"klass": "class"}):
+    """`list` filters; None means "any". All given filters must match."""
+
+    klass: str | None = None
+    state: str | None = None  # some recipient is in this state
+    domain: str | None = None  # some recipient's domain, case-insensitive
+    sender: str | None = None  # case-insensitive; "" or "<>" is the null sender
+    held: bool | None = None
+
+
+def recipient_state(msg: Message, rcpt: Recipient) -> str:
+    return HELD if msg.held and rcpt.state not in FINAL_STATES else rcpt.state
+
+
+def message_json(msg: Message) -> dict[str, Any]:
+    return {
+        "id": msg.id,
+        "class": msg.klass,
+        "sender": msg.sender,
+        "created": msg.created,
+        "size": msg.size,
+        "held": msg.held,
+        "expires": msg.expires,
+        "tenant": msg.tenant,
+        "envid": msg.envid,
+        "ret": msg.ret,
+        "idempotency_key": msg.idempotency_key,
+        "client": msg.client,
+        "helo": msg.helo,
+        "body": msg.body,
+        "smtputf8": msg.smtputf8,
+        "recipients": [
+            {
+                "address": r.address,
+                "state": recipient_state(msg, r),
+                "attempts": r.attempts,
+                "next_attempt": r.next_attempt,
+                "last_reply": r.last_reply,
+                "orcpt": r.orcpt,
+                "notify": r.notify,
+            }
+            for r in msg.recipients
+        ],
+    }
+
+
+def status_json(messages: Iterable[Message], extra: dict[str, Any]) -> dict[str, Any]:
+    by_state = dict.fromkeys(RECIPIENT_STATES, 0)  # every state, so scripts can rely on the keys
+    by_class: Counter[str] = Counter()
+    count = 0
+    for msg in messages:
+        count += 1
+        by_class[msg.klass] += 1
+        for rcpt in msg.recipients:
+            by_state[recipient_state(msg, rcpt)] += 1
+    return {
+        "messages": count,
+        "recipients": sum(by_state.values()),
+        "by_state": by_state,
+        "by_class": dict(sorted(by_class.items())),
+        **extra,
+    }
+
+
+def matches(msg: Message, filters: Filters) -> bool:
+    if filters.klass is not None and msg.klass != filters.klass:
+        return False
+    if filters.held is not None and msg.held != filters.held:
+        return False
+    if filters.sender is not None:
+        sender = "" if filters.sender == "<>" else filters.sender
+        if msg.sender.lower() != sender.lower():
+            return False
+    states = (recipient_state(msg, r) for r in msg.recipients)
+    if filters.state is not None and filters.state not in states:
+        return False
+    if filters.domain is not None:
+        domain = filters.domain.lower()
+        return any(r.address.rpartition("@")[2].lower() == domain for r in msg.recipients)
+    return True

@@ -1,0 +1,344 @@
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import tempfile
+from bisect import bisect_right
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mtaqueue.model import RECIPIENT_STATES, Message, Recipient
+from mtaqueue.spool import journal
+from mtaqueue.spool.journal import (
+    JournalWriter,
+    UnreadableJournal,
+    compact,
+    decode_frames,
+    encode,
+    list_segments,
+    replay,
+)
+from mtaqueue.spool.records import Delete, JournalState, KeyKept, Put, Record, SnapshotDone
+
+# Few ids and keys, so that sequences update, delete and re-put the same messages.
+IDS = [f"{i:016X}" for i in range(1, 6)]
+KEYS = ["k1", "k2", "k3"]
+times = st.floats(0, 2e9)
+# Mostly a few arrival times, so that messages sharing a key tie or reorder often.
+created_times = st.sampled_from([10.0, 20.0, 30.0]) | times
+
+recipients = st.builds(
+    Recipient,
+    address=st.sampled_from(["a@example.com", "b@example.org", "ü@exämple.de"]),
+    notify=st.none() | st.just("FAILURE,DELAY"),
+    state=st.sampled_from(RECIPIENT_STATES),
+    attempts=st.integers(0, 100),
+    next_attempt=st.none() | times,
+    last_reply=st.none() | st.text(max_size=40),
+)
+messages = st.builds(
+    Message,
+    id=st.sampled_from(IDS),
+    sender=st.text(max_size=30),
+    recipients=st.lists(recipients, min_size=1, max_size=3).map(tuple),
+    created=created_times,
+    size=st.integers(0, 2**40),
+    klass=st.sampled_from(["p0", "p1", "p2"]),
+    expires=st.none() | times,
+    idempotency_key=st.none() | st.sampled_from(KEYS),
+    held=st.booleans(),
+)
+records: st.SearchStrategy[Record] = st.one_of(
+    st.builds(Put, messages),
+    st.builds(Delete, st.sampled_from(IDS), st.sampled_from(["delivered", "expired"])),
+    st.builds(KeyKept, st.sampled_from(KEYS), st.sampled_from(IDS), created_times),
+)
+
+
+def applied(recs: list[Record]) -> JournalState:
+    state = JournalState()
+    for rec in recs:
+        state.apply(rec)
+    return state
+
+
+def same(a: JournalState, b: JournalState) -> bool:
+    return a.messages == b.messages and a.keys == b.keys
+
+
+def segment(directory: Path, seq: int) -> Path:
+    return directory / f"{seq:016d}.log"
+
+
+def frame_ends(recs: list[Record]) -> tuple[bytes, list[int]]:
+    frames = [encode(rec) for rec in recs]
+    return b"".join(frames), list(itertools.accumulate(map(len, frames)))
+
+
+@contextmanager
+def journal_dir() -> Iterator[Path]:
+    # Not pytest's tmp_path: hypothesis runs many examples per test function.
+    with tempfile.TemporaryDirectory() as d:
+        yield Path(d)
+
+
+def message(queue_id: str = IDS[0], key: str | None = None, created: float = 100.0) -> Message:
+    return Message(
+        id=queue_id,
+        sender="app@example.com",
+        recipients=(Recipient("a@example.com"),),
+        created=created,
+        size=10,
+        klass="p1",
+        idempotency_key=key,
+    )
+
+
+@given(st.lists(records, max_size=30), st.data())
+def test_a_cut_anywhere_keeps_exactly_the_complete_frames(recs, data):
+    blob, ends = frame_ends(recs)
+    cut = data.draw(st.integers(0, len(blob)), label="cut")
+    complete = bisect_right(ends, cut)
+    valid = ends[complete - 1] if complete else 0
+    with journal_dir() as d:
+        path = segment(d, 1)
+        path.write_bytes(blob[:cut])
+        result = replay(d)
+        assert same(result.state, applied(recs[:complete]))
+        assert result.records == complete
+        assert result.dropped_bytes == cut - valid
+        assert result.warnings == []
+        assert path.stat().st_size == valid  # the torn tail is gone from disk
+
+
+@given(st.lists(records, min_size=1, max_size=20), st.data())
+def test_a_corrupt_byte_stops_replay_at_its_frame(recs, data):
+    blob, ends = frame_ends(recs)
+    corrupt = bytearray(blob)
+    at = data.draw(st.integers(0, len(blob) - 1), label="at")
+    corrupt[at] ^= data.draw(st.integers(1, 255), label="xor")
+    hit = bisect_right(ends, at)  # index of the frame holding the byte
+    records, valid = decode_frames(bytes(corrupt))
+    assert records == recs[:hit]
+    assert valid == (ends[hit - 1] if hit else 0)
+
+
+@settings(max_examples=50)
+@given(st.lists(records, max_size=40), st.lists(records, max_size=10))
+def test_compaction_keeps_the_state_and_drops_older_segments(before, after):
+    with journal_dir() as d:
+        writer = JournalWriter(d)
+        state = applied(before)
+        writer.append(b"".join(map(encode, before)))
+        writer.open_next()
+        compact(writer, state)
+        assert list_segments(d) == [writer.path]
+        assert same(replay(d).state, state)
+        for rec in after:
+            state.apply(rec)
+        writer.append(b"".join(map(encode, after)))
+        writer.close()
+        result = replay(d)
+        assert same(result.state, state)
+        assert result.obsolete == []
+
+
+@settings(max_examples=50)
+@given(st.lists(records, max_size=30), st.data())
+def test_a_crash_during_compaction_loses_nothing(recs, data):
+    state = applied(recs)
+    blob, _ = frame_ends(state.snapshot())
+    cut = data.draw(st.integers(0, len(blob)), label="cut")
+    with journal_dir() as d:
+        segment(d, 1).write_bytes(b"".join(map(encode, recs)))
+        segment(d, 2).write_bytes(blob[:cut])  # the snapshot, written up to the crash
+        result = replay(d)
+        assert same(result.state, state)
+        # Only a complete snapshot (ending in SnapshotDone) makes the old segment dead.
+        assert result.obsolete == ([segment(d, 1)] if cut == len(blob) else [])
+
+        # The restarted daemon appends to a fresh segment; the partial snapshot stays
+        # in the middle of the journal and must still replay to the right state.
+        writer = JournalWriter(d)
+        extra = Delete(IDS[0], "delivered")
+        writer.append(encode(extra))
+        writer.close()
+        state.apply(extra)
+        assert same(replay(d).state, state)
+
+
+@given(st.lists(st.lists(records, max_size=8), min_size=1, max_size=5))
+def test_replay_runs_across_segments(groups):
+    with journal_dir() as d:
+        for seq, group in enumerate(groups, 1):
+            segment(d, seq).write_bytes(b"".join(map(encode, group)))
+        result = replay(d)
+        assert same(result.state, applied(list(itertools.chain(*groups))))
+        assert result.segments == len(groups)
+        assert result.last_segment == segment(d, len(groups))
+
+
+def test_a_torn_tail_in_an_older_segment_is_reported_and_skipped(tmp_path):
+    first, lost, second = Put(message(IDS[0])), Put(message(IDS[1])), Put(message(IDS[2]))
+    torn = encode(lost)[:-3]
+    segment(tmp_path, 1).write_bytes(encode(first) + torn)
+    segment(tmp_path, 2).write_bytes(encode(second))
+    result = replay(tmp_path)
+    assert same(result.state, applied([first, second]))
+    assert result.dropped_bytes == len(torn)
+    assert len(result.warnings) == 1 and segment(tmp_path, 1).name in result.warnings[0]
+    assert segment(tmp_path, 1).stat().st_size == len(encode(first)) + len(torn)  # left alone
+
+
+@pytest.mark.parametrize("zeros", [1, 8, 100])
+def test_a_zero_filled_tail_is_cut_off(tmp_path, zeros):
+    # What a crash can leave when the file's size reached the disk before its data.
+    good = encode(Put(message()))
+    path = segment(tmp_path, 1)
+    path.write_bytes(good + bytes(zeros))
+    result = replay(tmp_path)
+    assert result.state.messages == {IDS[0]: message()}
+    assert path.stat().st_size == len(good)
+
+
+def test_replay_of_an_empty_journal(tmp_path):
+    result = replay(tmp_path)
+    assert result.state.messages == {} and result.state.keys == {}
+    assert (result.segments, result.records, result.last_segment) == (0, 0, None)
+
+
+def test_an_intact_but_unknown_frame_is_refused_not_cut(tmp_path):
+    payload = b"\x92\x09\xc0"  # [9, nil]: a record tag this version does not know
+    frame = journal._HEADER.pack(len(payload), journal.zlib.crc32(payload)) + payload
+    path = segment(tmp_path, 1)
+    path.write_bytes(encode(Put(message())) + frame)
+    with pytest.raises(UnreadableJournal, match=path.name):
+        replay(tmp_path)
+    assert path.stat().st_size == len(encode(Put(message()))) + len(frame)
+
+
+def test_oversized_records_are_refused_and_lengths_capped(monkeypatch):
+    monkeypatch.setattr(journal, "MAX_PAYLOAD", 64)
+    with pytest.raises(ValueError, match="exceeds"):
+        encode(Put(message()))
+    small = encode(Delete(IDS[0], "x"))
+    frame = journal._HEADER.pack(1 << 31, 0) + bytes(100)
+    assert decode_frames(small + frame) == ([Delete(IDS[0], "x")], len(small))
+
+
+def test_writer_continues_numbering_in_a_fresh_segment(tmp_path):
+    writer = JournalWriter(tmp_path)
+    assert writer.path == segment(tmp_path, 1)
+    writer.append(encode(Put(message())))
+    writer.close()
+    writer = JournalWriter(tmp_path)
+    assert writer.path == segment(tmp_path, 2) and writer.size == 0
+    assert (writer.path.stat().st_mode & 0o777) == 0o600
+    writer.close()
+    assert replay(tmp_path).state.messages == {IDS[0]: message()}
+
+
+def _fail_once(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    real = getattr(os, name)
+
+    def fail(*args: object) -> None:
+        monkeypatch.setattr(os, name, real)
+        raise OSError(errno.EIO, f"injected {name} failure")
+
+    monkeypatch.setattr(os, name, fail)
+
+
+def _write_half_then_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.write
+    calls = 0
+
+    def write(fd: int, data: memoryview) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return real(fd, data[: len(data) // 2])
+        monkeypatch.setattr(os, "write", real)
+        raise OSError(errno.ENOSPC, "injected: disk full")
+
+    monkeypatch.setattr(os, "write", write)
+
+
+FIRST, FAILED, LATER = (Put(message(queue_id)) for queue_id in IDS[:3])
+
+
+@pytest.mark.parametrize(
+    "inject",
+    [lambda mp: _fail_once(mp, "fdatasync"), _write_half_then_fail],
+    ids=["sync-fails", "write-fails-half-way"],
+)
+def test_a_failed_append_is_cut_off(tmp_path, monkeypatch, inject):
+    writer = JournalWriter(tmp_path)
+    writer.append(encode(FIRST))
+    inject(monkeypatch)
+    with pytest.raises(OSError):
+        writer.append(encode(FAILED))
+    assert writer.path.stat().st_size == writer.size == len(encode(FIRST))
+    writer.append(encode(LATER))
+    writer.close()
+    result = replay(tmp_path)
+    assert same(result.state, applied([FIRST, LATER]))
+    assert result.dropped_bytes == 0
+
+
+def test_when_the_cut_fails_too_the_writer_moves_to_a_new_segment(tmp_path, monkeypatch):
+    writer = JournalWriter(tmp_path)
+    writer.append(encode(FIRST))
+    _write_half_then_fail(monkeypatch)
+    _fail_once(monkeypatch, "ftruncate")
+    with pytest.raises(OSError):
+        writer.append(encode(FAILED))
+    writer.append(encode(LATER))
+    assert writer.path == segment(tmp_path, 2)
+    writer.close()
+    result = replay(tmp_path)
+    assert same(result.state, applied([FIRST, LATER]))
+    assert len(result.warnings) == 1  # the half frame, stranded in segment 1
+
+
+def test_segments_before_the_last_snapshot_are_not_read(tmp_path):
+    payload = b"\x92\x09\xc0"  # unreadable, but never looked at
+    frame = journal._HEADER.pack(len(payload), journal.zlib.crc32(payload)) + payload
+    segment(tmp_path, 1).write_bytes(frame)
+    state = applied([Put(message(key="k")), Delete(IDS[0], "delivered")])
+    segment(tmp_path, 2).write_bytes(b"".join(map(encode, state.snapshot())))
+    result = replay(tmp_path)
+    assert same(result.state, state) and result.state.keys == {"k": (IDS[0], 100.0)}
+    assert result.obsolete == [segment(tmp_path, 1)] and result.segments == 1
+
+
+def test_a_key_stays_with_the_newest_message_holding_it():
+    old, new = message(IDS[0], "k", 10.0), message(IDS[1], "k", 20.0)
+    state = applied([Put(old), Put(new), Put(msgspec.structs.replace(old, held=True))])
+    assert state.keys == {"k": (IDS[1], 20.0)}
+    state.apply(Delete(IDS[1], "delivered"))
+    assert state.keys == {"k": (IDS[1], 20.0)}  # a key outlives its message
+
+
+def test_forget_keys_before():
+    old, new = Put(message(IDS[0], "old", 10.0)), Put(message(IDS[1], "new", 20.0))
+    state = applied([old, new, Delete(IDS[0], "delivered"), KeyKept("kept", IDS[2], 30.0)])
+    state.forget_keys_before(20.0)
+    assert state.keys == {"new": (IDS[1], 20.0), "kept": (IDS[2], 30.0)}
+    assert SnapshotDone() == state.snapshot()[-1]
+
+
+@given(st.lists(records, max_size=30), created_times)
+def test_a_snapshot_after_forgetting_brings_back_only_stale_keys(recs, t):
+    state = applied(recs)
+    state.forget_keys_before(t)
+    rebuilt = applied(state.snapshot())
+    assert rebuilt.messages == state.messages
+    rebuilt.forget_keys_before(t)
+    assert rebuilt.keys == state.keys
