@@ -30,7 +30,8 @@ from .logs import configure_logging
 from .smtp.auth import Credentials, hash_password, load_auth_file
 from .smtp.listener import Listener, ListenerSettings
 from .smtp.server_session import SessionSettings
-from .spool.store import Spool, SpoolLocked
+from .spool.store import Spool, SpoolLocked, StorageError
+from .spool.sweep import sweep
 from .submission import SubmissionSettings
 
 log = structlog.get_logger("daemon")
@@ -99,7 +100,8 @@ class Daemon:
         )
         for warning in report.warnings:
             log.warning("journal_damaged", detail=warning)
-        self.spool.start(loop)
+        self.exit_code = 0
+        self.spool.on_writer_lost = self._writer_lost
         listener = Listener(
             self.listener_settings, self.spool, tls=self.tls, credentials=self.credentials
         )
@@ -111,9 +113,10 @@ class Daemon:
             ),
         )
         try:
+            await self.spool.start()
             await listener.start()
             await control.start()
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, StorageError) as exc:
             log.error("startup_failed", error=str(exc))
             await listener.close(0)
             await self.spool.close()
@@ -134,7 +137,13 @@ class Daemon:
         await control.close()
         await self.spool.close()
         log.info("stopped", accepted=listener.accepted)
-        return 0
+        return self.exit_code
+
+    def _writer_lost(self) -> None:
+        # Without its writer the spool cannot make anything durable: stop, and let
+        # the supervisor restart us (recovery replays the journal).
+        self.exit_code = EXIT_RUNTIME
+        self._stop.set()
 
     def info(self) -> dict:
         listener = getattr(self, "listener", None)
@@ -146,18 +155,21 @@ class Daemon:
             "connections": len(listener.connections) if listener else 0,
             "spool_free_bytes": self.spool.free_bytes,
             "accepting": self.spool.storage_ok,
-            "journal_bytes": self.spool.journal_size(),
+            "journal_bytes": self.spool.journal_bytes(),
         }
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
-        report = await loop.run_in_executor(None, self.spool.sweep, self.started)
+        known = set(self.spool.messages)
+        report = await loop.run_in_executor(None, sweep, self.spool.layout, known, self.started)
         for queue_id, problem in report.quarantined:
             log.error("message_quarantined", id=queue_id, problem=problem)
-            await self.spool.remove(queue_id, f"quarantined: {problem}")
+            if queue_id in self.spool.messages:
+                await self.spool.remove(queue_id, f"quarantined: {problem}")
         for queue_id in report.missing:
-            log.error("message_file_missing", id=queue_id)
-            await self.spool.remove(queue_id, "message file missing")
+            if queue_id in self.spool.messages:
+                log.error("message_file_missing", id=queue_id)
+                await self.spool.remove(queue_id, "message file missing")
         log.info(
             "spool_swept",
             files=report.files,
@@ -171,10 +183,10 @@ class Daemon:
         # Commits refresh it too; this catches a disk filled by someone else.
         while True:
             await asyncio.sleep(2.0)
-            was_ok = self.spool.storage_ok
+            was_ok = self.spool.disk_ok
             self.spool.refresh_free_space()
-            if was_ok != self.spool.storage_ok:
-                event = "spool_space_ok" if self.spool.storage_ok else "spool_space_low"
+            if was_ok != self.spool.disk_ok:
+                event = "spool_space_ok" if self.spool.disk_ok else "spool_space_low"
                 log.warning(event, free_bytes=self.spool.free_bytes)
 
 

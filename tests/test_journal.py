@@ -256,17 +256,19 @@ def _fail_once(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
 
 
 def _write_half_then_fail(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = os.write
-    calls = 0
+    """The first write stores half its bytes (a short write), the next says ENOSPC."""
+    real_writev, real_write = os.writev, os.write
 
-    def write(fd: int, data: memoryview) -> int:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return real(fd, data[: len(data) // 2])
-        monkeypatch.setattr(os, "write", real)
+    def writev(fd: int, parts) -> int:
+        data = b"".join(parts)
+        monkeypatch.setattr(os, "writev", real_writev)
+        return real_write(fd, data[: len(data) // 2])
+
+    def write(fd: int, data) -> int:
+        monkeypatch.setattr(os, "write", real_write)
         raise OSError(errno.ENOSPC, "injected: disk full")
 
+    monkeypatch.setattr(os, "writev", writev)
     monkeypatch.setattr(os, "write", write)
 
 

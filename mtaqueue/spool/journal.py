@@ -19,6 +19,7 @@ from pathlib import Path
 
 import msgspec
 
+from mtaqueue.spool.durable import fsync_dir, write_all
 from mtaqueue.spool.records import JournalState, Record, SnapshotDone
 
 _HEADER = struct.Struct("<II")  # payload length, crc32(payload)
@@ -85,14 +86,6 @@ def list_segments(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if _SEGMENT_NAME.fullmatch(p.name))
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class JournalWriter:
     """Appends to the newest segment; every append is on disk when it returns.
 
@@ -117,7 +110,7 @@ class JournalWriter:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
         try:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         except OSError:
             os.close(fd)
             raise
@@ -129,9 +122,7 @@ class JournalWriter:
         if self._broken:
             self.open_next()
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view) :]
+            write_all(self._fd, data)
             os.fdatasync(self._fd)
         except OSError:
             self._roll_back()
@@ -164,7 +155,7 @@ def compact(writer: JournalWriter, state: JournalState) -> None:
     for path in list_segments(writer.directory):
         if path.name < writer.path.name:
             path.unlink()
-    _fsync_dir(writer.directory)
+    fsync_dir(writer.directory)
 
 
 class ReplayResult(msgspec.Struct):
@@ -177,8 +168,12 @@ class ReplayResult(msgspec.Struct):
     warnings: list[str]
 
 
-def replay(directory: Path) -> ReplayResult:
-    """Rebuild the state from the journal, cutting a torn tail off the last segment."""
+def replay(directory: Path, *, repair: bool = True) -> ReplayResult:
+    """Rebuild the state from the journal, cutting a torn tail off the last segment.
+
+    With repair=False nothing on disk is changed (a second reader of a journal
+    that its owner has already repaired).
+    """
     paths = list_segments(directory)
     # Newest first, so that segments older than the last snapshot are never read.
     decoded: list[tuple[Path, list[Record], int, int]] = []
@@ -205,7 +200,8 @@ def replay(directory: Path) -> ReplayResult:
             continue
         dropped += size - valid
         if path == paths[-1]:
-            _truncate(path, valid)
+            if repair:
+                _truncate(path, valid)
         else:
             # The writer gave up on this segment after a failed append and moved on.
             warnings.append(
