@@ -182,6 +182,7 @@ def main() -> None:
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="mtaqueue-bench-", dir=os.environ.get("BENCH_DIR")))
+    workdir.chmod(0o755)  # Postfix's own user must reach its queue inside
     try:
         if not args.skip_throughput:
             throughput(args, workdir)
