@@ -45,9 +45,9 @@ def main() -> None:
             spinner = threading.Thread(target=spin) if busy else None
             if spinner:
                 spinner.start()
-            rate = []
+            rate: list[float] = []
             writer = threading.Thread(
-                target=lambda: rate.append(write_files(directory, args.files))
+                target=lambda rate=rate: rate.append(write_files(directory, args.files))
             )
             writer.start()
             writer.join()

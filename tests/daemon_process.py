@@ -41,6 +41,7 @@ class DaemonProcess:
     # -- life ---------------------------------------------------------------------
 
     def start(self) -> DaemonProcess:
+        self.events = []  # this run's log only
         args = [sys.executable, "-m", "mtaqueue.daemon", "-c", str(self.config_path)]
         for item in self.overrides:
             args += ["-o", item]
@@ -81,7 +82,6 @@ class DaemonProcess:
     def restart(self) -> DaemonProcess:
         if self.proc is not None and self.proc.poll() is None:
             assert self.stop() == 0
-        self.events.clear()
         return self.start()
 
     # -- talking to it -------------------------------------------------------------

@@ -72,7 +72,6 @@ def test_kill_9_during_concurrent_submissions_loses_nothing(start_daemon):
         stop.set()
         for thread in threads:
             thread.join(30)
-        daemon.events.clear()
         daemon.start()
 
     assert len(acked) > 100, "the test did not put the daemon under load"
@@ -156,3 +155,42 @@ def test_write_error_answers_451_and_recovers(daemon):
     assert code == 451 and "4.3.0" in reply
     assert send(daemon, body("after"))[0] == 250
     assert len(daemon.messages()) == 2
+
+
+def test_recovery_rules_for_damaged_spools(start_daemon):
+    daemon = start_daemon()
+    kept = daemon.send("app@example.com", ["a@example.org"], body("kept"))
+    damaged = daemon.send("app@example.com", ["a@example.org"], body("damaged"))
+    assert daemon.stop() == 0
+    layout = SpoolLayout(daemon.spool)
+    # A bit flipped in a message file's content.
+    path = layout.message_path(damaged)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    # A file that was written but never journaled (crash before the journal append),
+    # and an interrupted temp file.
+    orphan = "0" * 6 + kept[6:9] + "0" * 7
+    layout.message_path(orphan).write_bytes(b"MTQ1 never acknowledged")
+    layout.tmp_path(orphan).write_bytes(b"half")
+    # A torn record at the end of the journal.
+    (segment,) = sorted(layout.journal.glob("*.log"))[-1:]
+    with segment.open("ab") as journal_file:
+        journal_file.write(b"\x40\x00\x00\x00torn")
+
+    daemon.start()
+    recovered = daemon.wait_event("spool_recovered")
+    assert recovered["dropped_bytes"] == 8
+    swept = daemon.wait_event("spool_swept")
+    assert swept["orphans_removed"] == 1 and swept["temp_removed"] == 1
+    assert swept["quarantined"] == 1
+    event = daemon.wait_event("message_quarantined")
+    assert event["id"] == damaged and "checksum" in event["problem"]
+    assert (layout.quarantine / damaged).exists()
+    time.sleep(0.5)
+    assert list(daemon.messages()) == [kept]
+    assert not layout.message_path(orphan).exists() and not layout.tmp_path(orphan).exists()
+    # The daemon goes on journaling after the cut tail.
+    fresh = daemon.send("app@example.com", ["a@example.org"], body("fresh"))
+    daemon.restart()
+    assert set(daemon.messages()) == {kept, fresh}
