@@ -184,10 +184,58 @@ class DnsConfig(_Table):
     negative_ttl_max: Duration = _d("5m")
 
 
+class TimeoutsConfig(_Table):
+    """Per-phase SMTP client timeouts (RFC 5321 4.5.3.2 minimums, Postfix's connect)."""
+
+    connect: Duration = _d("30s")
+    banner: Duration = _d("5m")
+    ehlo: Duration = _d("5m")
+    starttls: Duration = _d("5m")
+    mail: Duration = _d("5m")
+    rcpt: Duration = _d("5m")
+    data_start: Duration = _d("2m")
+    data_done: Duration = _d("10m")  # sending the content and waiting for the final reply
+
+
+class ReplyRule(_Table):
+    """A site rule for replies, checked before the built-in classification."""
+
+    match: str  # regex, searched in "CODE ENHANCED TEXT" (e.g. "421 4.7.0 Try again later")
+    outcome: Literal["transient", "permanent"]
+    kind: str = "policy"  # greylisting, throttling, mailbox, policy, content, ...
+    phase: str = ""  # only replies in this phase ("" = any)
+
+
 class DeliveryConfig(_Table):
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 25
     relayhost: str = ""  # "" = MX lookup per domain; else a next hop, see split_host_port()
     helo_name: str = ""  # "" = listen.hostname
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 100
+    max_per_destination: Annotated[int, msgspec.Meta(ge=1)] = 10
+    max_messages_per_connection: Annotated[int, msgspec.Meta(ge=1)] = 100
+    max_recipients_per_transaction: Annotated[int, msgspec.Meta(ge=1)] = 100
+    connection_idle: Duration = _d("5s")  # keep a connection this long for the next message
+    max_addresses: Annotated[int, msgspec.Meta(ge=1)] = 5  # addresses tried per attempt
+    address_order: Literal["ipv4-first", "ipv6-first", "as-resolved"] = "ipv4-first"
+    tls: Literal["opportunistic", "required", "off"] = "opportunistic"
+    ambiguous: Literal["retry", "assume-delivered"] = "retry"
+    host_suspend: Duration = _d("1m")
+    host_suspend_max: Duration = _d("1h")
+    timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
+    rules: list[ReplyRule] = []
+
+
+class DsnConfig(_Table):
+    delay_after: Duration = _d("4h")  # one delay notice per recipient after this long
+    delay_without_notify: bool = False  # also when the sender gave no NOTIFY (RFC 3461 allows)
+    max_return: Size = _s("100KiB")  # content returned in a failure DSN; beyond: headers only
+    klass: str = msgspec.field(default="p1", name="class")  # delivery class of DSNs
+    lifetime: Duration = _d("2d")  # queue lifetime of DSNs themselves
+
+
+class SuppressionConfig(_Table):
+    enabled: bool = True
+    ttl: Duration = _d("30d")  # how long a hard-bounced address stays suppressed
 
 
 class RetryConfig(_Table):
@@ -197,6 +245,7 @@ class RetryConfig(_Table):
     then: list[Duration] = msgspec.field(default_factory=lambda: [_d("4h"), _d("6h")])
     greylist_min: Duration = _d("5m")
     jitter: Annotated[float, msgspec.Meta(ge=0, le=0.5)] = 0.1
+    restart_spread: Duration = _d("1m")  # overdue mail after a restart is spread over this
 
 
 class ClassConfig(_Table):
@@ -225,6 +274,8 @@ class Config(_Table):
     delivery: DeliveryConfig = msgspec.field(default_factory=DeliveryConfig)
     routes: dict[str, str] = {}  # lower-cased domain -> next hop
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
+    dsn: DsnConfig = msgspec.field(default_factory=DsnConfig)
+    suppression: SuppressionConfig = msgspec.field(default_factory=SuppressionConfig)
     classes: dict[str, ClassConfig] = msgspec.field(default_factory=lambda: dict(DEFAULT_CLASSES))
 
 
@@ -391,6 +442,13 @@ def _validate(cfg: Config) -> None:
         # "" routes the domain by its MX records, bypassing delivery.relayhost.
         if hop:
             _check(f"routes.{domain}", split_host_port, hop, cfg.delivery.port)
+    for i, rule in enumerate(cfg.delivery.rules):
+        try:
+            re.compile(rule.match)
+        except re.error as exc:
+            raise ConfigError(f"delivery.rules[{i}].match: invalid regex: {exc}") from None
+    if cfg.dsn.klass not in cfg.classes:
+        raise ConfigError(f"dsn.class: unknown class {cfg.dsn.klass!r}")
     if len(retry.then) != 2:
         raise ConfigError(f"retry.then: expected two durations [min, max], got {len(retry.then)}")
     if retry.then[0] > retry.then[1]:

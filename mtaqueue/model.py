@@ -29,7 +29,10 @@ class Recipient(msgspec.Struct, frozen=True, array_like=True, gc=False):
     state: str = QUEUED
     attempts: int = 0
     next_attempt: float | None = None
-    last_reply: str | None = None
+    last_reply: str | None = None  # "550 5.1.1 <a@b>: no such user", or a network error
+    last_attempt: float | None = None
+    remote_mta: str | None = None  # host that gave last_reply, for DSNs' Remote-MTA
+    delay_notified: bool = False  # the one "delayed" DSN has been sent
 
 
 class Message(msgspec.Struct, frozen=True, array_like=True, gc=False):
