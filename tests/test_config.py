@@ -379,4 +379,5 @@ def test_shipped_config_names_every_key_and_only_real_keys() -> None:
             assert table.keys() == {"p0", "p1", "p2"}
             assert all(entry.keys() == keys for entry in table.values())
         else:
-            assert table.keys() == {f.encode_name for f in msgspec.structs.fields(sections[name])}, name
+            fields = msgspec.structs.fields(sections[name])
+            assert table.keys() == {f.encode_name for f in fields}, name
