@@ -41,8 +41,8 @@ POSTFIX_ADDR = "127.0.0.1:2625"
 class Mtaqueue:
     """The daemon as a subprocess on a given spool."""
 
-    def __init__(self, spool: Path, port: int) -> None:
-        self.spool, self.port = spool, port
+    def __init__(self, spool: Path, port: int, *overrides: str) -> None:
+        self.spool, self.port, self.overrides = spool, port, overrides
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> float:
@@ -54,6 +54,7 @@ class Mtaqueue:
                 "-o", f"spool.path={self.spool}",
                 "-o", f"listen.address=127.0.0.1:{self.port}",
                 "-o", "log.level=warning",
+                *(arg for item in self.overrides for arg in ("-o", item)),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -207,6 +207,7 @@ class ReplyRule(_Table):
 
 
 class DeliveryConfig(_Table):
+    enabled: bool = True  # false: accept and queue only (mail waits, like a paused transport)
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 25
     relayhost: str = ""  # "" = MX lookup per domain; else a next hop, see split_host_port()
     helo_name: str = ""  # "" = listen.hostname

@@ -26,7 +26,10 @@ import uvloop
 from . import __version__, config
 from .control.commands import queue_commands
 from .control.server import ControlServer
+from .control.suppression import suppression_commands
+from .delivery.manager import DeliveryManager
 from .logs import configure_logging
+from .routing.resolver import Resolver
 from .smtp.auth import Credentials, hash_password, load_auth_file
 from .smtp.listener import Listener, ListenerSettings
 from .smtp.server_session import SessionSettings
@@ -80,8 +83,26 @@ class Daemon:
             compact_size=cfg.spool.journal_compact_size,
             dedupe_window=cfg.submission.dedupe_window,
         )
+        d = cfg.delivery
+        self.resolver = Resolver(
+            [config.parse_nameserver(n) for n in cfg.dns.nameservers],
+            timeout=cfg.dns.timeout,
+            negative_ttl_max=cfg.dns.negative_ttl_max,
+            max_addresses=d.max_addresses,
+            address_order=d.address_order,
+        )
+        self.delivery = DeliveryManager(cfg, self.spool, self.resolver, self.hostname)
         self.started = time.time()
         self._stop = asyncio.Event()
+
+    def _suppressed(self, address: str) -> str | None:
+        """The RCPT TO refusal for a suppressed address (the listener's check)."""
+        entry = self.spool.suppression(address, time.time())
+        if entry is None:
+            return None
+        until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(entry.until))
+        reason = " ".join(entry.reason.split())[:200]
+        return f"550 5.1.1 <{address}>: suppressed after a hard bounce until {until} ({reason})"
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -103,19 +124,27 @@ class Daemon:
         self.exit_code = 0
         self.spool.on_writer_lost = self._writer_lost
         listener = Listener(
-            self.listener_settings, self.spool, tls=self.tls, credentials=self.credentials
+            self.listener_settings,
+            self.spool,
+            tls=self.tls,
+            credentials=self.credentials,
+            rcpt_check=self._suppressed,
         )
+        commands = queue_commands(self.spool.messages.values, self.spool.messages.get, self.info)
+        commands |= suppression_commands(self.spool, self.cfg.suppression.ttl)
         control = ControlServer(
-            config.control_socket_path(self.cfg),
-            self.cfg.control.mode,
-            queue_commands(
-                lambda: self.spool.messages.values(), self.spool.messages.get, self.info
-            ),
+            config.control_socket_path(self.cfg), self.cfg.control.mode, commands
         )
+        delivery = self.delivery
+        self.spool.on_commit = delivery.on_accepted
         try:
             await self.spool.start()
             await listener.start()
             await control.start()
+            if self.cfg.delivery.enabled:
+                delivery.start()
+            else:
+                log.warning("delivery_disabled")
         except (OSError, RuntimeError, StorageError) as exc:
             log.error("startup_failed", error=str(exc))
             await listener.close(0)
@@ -132,6 +161,7 @@ class Daemon:
 
         log.info("stopping", grace=self.cfg.spool.shutdown_grace)
         await listener.close(self.cfg.spool.shutdown_grace)
+        await delivery.close(self.cfg.spool.shutdown_grace)
         sweep.cancel()
         free_space.cancel()
         await control.close()

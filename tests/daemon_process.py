@@ -32,6 +32,7 @@ class DaemonProcess:
             f"control.socket={self.socket}",
             "listen.address=127.0.0.1:0",
             "listen.hostname=mx.test",
+            "delivery.enabled=false",  # submission tests keep their mail queued
             *overrides,
         ]
         self.events: list[dict] = []

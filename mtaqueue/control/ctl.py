@@ -161,10 +161,47 @@ def _no_options(parser: argparse.ArgumentParser) -> None:
     pass
 
 
+def _suppress_options(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    listing = actions.add_parser("list", help="addresses refused at RCPT TO, and why")
+    add = actions.add_parser("add", help="refuse mail to an address")
+    add.add_argument("address")
+    add.add_argument("--for", dest="ttl", metavar="DURATION", help="default suppression.ttl")
+    add.add_argument("--reason", default="")
+    remove = actions.add_parser("remove", help="accept mail to an address again")
+    remove.add_argument("address")
+    for action in (listing, add, remove):  # --json also after the action
+        action.add_argument(
+            "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON Lines"
+        )
+
+
+def _suppress_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    if args.action == "list":
+        return "suppress_list", {}
+    if args.action == "add":
+        return "suppress_add", {"address": args.address, "for": args.ttl, "reason": args.reason}
+    return "suppress_remove", {"address": args.address}
+
+
+def _suppress_show(reply: Reply, out: TextIO) -> None:
+    for entry in reply:
+        if entry.get("removed"):
+            out.write(f"{entry['address']}: no longer suppressed\n")
+        else:
+            out.write(f"{entry['address']:<40} until {_time(entry['until'])}  {entry['reason']}\n")
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "status": Subcommand("counts and daemon info", _no_options, _status_request, _status_show),
     "list": Subcommand("one entry per queued message", _list_options, _list_request, _list_show),
     "show": Subcommand("every field of one message", _show_options, _show_request, _show_show),
+    "suppress": Subcommand(
+        "the suppression list (list, add, remove)",
+        _suppress_options,
+        _suppress_request,
+        _suppress_show,
+    ),
 }
 
 

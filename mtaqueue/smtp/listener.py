@@ -12,6 +12,7 @@ import ipaddress
 import ssl
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -47,8 +48,10 @@ class Listener:
         *,
         tls: ssl.SSLContext | None = None,
         credentials: Credentials | None = None,
+        rcpt_check: Callable[[str], str | None] | None = None,
     ) -> None:
         self.settings = settings
+        self.rcpt_check = rcpt_check
         self.spool = spool
         self.tls = tls
         self.credentials = credentials
@@ -143,6 +146,7 @@ class SubmissionProtocol(asyncio.Protocol):
             settings.session,
             may_relay=listener.may_relay(self.client),
             storage_ok=lambda: listener.spool.storage_ok,
+            rcpt_check=listener.rcpt_check,
         )
         transport.write(self.session.greeting())
 

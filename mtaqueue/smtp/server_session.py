@@ -88,10 +88,12 @@ class ServerSession:
         *,
         may_relay: bool,
         storage_ok: Callable[[], bool] | None = None,
+        rcpt_check: Callable[[str], str | None] | None = None,
     ) -> None:
         self.settings = settings
         self.may_relay = may_relay  # client address is in listen.mynetworks
         self._storage_ok = storage_ok or (lambda: True)
+        self._rcpt_check = rcpt_check or (lambda address: None)  # a refusal reply, or None
         self.tls = False
         self.user: str | None = None
         self.helo = ""
@@ -382,6 +384,10 @@ class ServerSession:
             return
         if len(envelope.recipients) >= self.settings.max_recipients:
             self._error("452 4.5.3 Error: too many recipients")
+            return
+        refusal = self._rcpt_check(address)
+        if refusal is not None:
+            self._error(refusal)
             return
         envelope.recipients.append(Recipient(address, orcpt=orcpt, notify=notify))
         self._reply("250 2.1.5 Ok")

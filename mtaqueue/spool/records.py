@@ -39,7 +39,19 @@ class SnapshotDone(msgspec.Struct, tag=3, array_like=True, frozen=True, gc=False
     """The records before this one in its segment are a complete snapshot of the state."""
 
 
-Record = Put | Delete | KeyKept | SnapshotDone
+class Suppress(msgspec.Struct, tag=4, array_like=True, frozen=True, gc=False):
+    """An address on the suppression list until `until` (epoch seconds)."""
+
+    address: str
+    until: float
+    reason: str
+
+
+class Unsuppress(msgspec.Struct, tag=5, array_like=True, frozen=True, gc=False):
+    address: str
+
+
+Record = Put | Delete | KeyKept | SnapshotDone | Suppress | Unsuppress
 
 
 class JournalState:
@@ -52,6 +64,7 @@ class JournalState:
     def __init__(self) -> None:
         self.messages: dict[str, Message] = {}
         self.keys: dict[str, tuple[str, float]] = {}
+        self.suppressed: dict[str, Suppress] = {}  # address (lower case) -> entry
 
     def apply(self, rec: Record) -> None:
         if type(rec) is Put:
@@ -63,6 +76,10 @@ class JournalState:
             self.messages.pop(rec.id, None)
         elif type(rec) is KeyKept:
             self._keep(rec.key, rec.id, rec.created)
+        elif type(rec) is Suppress:
+            self.suppressed[rec.address] = rec
+        elif type(rec) is Unsuppress:
+            self.suppressed.pop(rec.address, None)
 
     def _keep(self, key: str, queue_id: str, created: float) -> None:
         # Once a window has passed, the same key may be accepted again as a new
@@ -80,6 +97,10 @@ class JournalState:
         """
         self.keys = {k: v for k, v in self.keys.items() if v[1] >= t}
 
+    def forget_suppressions_before(self, t: float) -> None:
+        """Drop suppressions that ended before t (replay may bring them back, as above)."""
+        self.suppressed = {a: e for a, e in self.suppressed.items() if e.until >= t}
+
     def snapshot(self) -> list[Record]:
         records: list[Record] = [Put(m) for m in self.messages.values()]
         for key, (queue_id, created) in self.keys.items():
@@ -87,5 +108,6 @@ class JournalState:
             # A live message's Put brings its key back; any other key needs a record.
             if live is None or live.idempotency_key != key or live.created != created:
                 records.append(KeyKept(key, queue_id, created))
+        records.extend(self.suppressed.values())
         records.append(SnapshotDone())
         return records

@@ -27,6 +27,7 @@ from ..model import Message
 from . import journal
 from .layout import SpoolLayout
 from .message_file import read_content
+from .records import Suppress, Unsuppress
 from .writer import (
     FULL,
     Accept,
@@ -81,6 +82,7 @@ class Spool:
         self.dedupe_window = dedupe_window
         self.messages: dict[str, Message] = {}
         self.keys: dict[str, tuple[str, float]] = {}  # idempotency key -> (id, created)
+        self.suppressed: dict[str, Suppress] = {}  # lower-cased address -> entry
         self.ids = IdGenerator()
         self.free_bytes = 0
         self.disk_ok = True  # above spool.min_free
@@ -114,6 +116,7 @@ class Spool:
             path.unlink(missing_ok=True)
         self.messages = result.state.messages
         self.keys = result.state.keys
+        self.suppressed = result.state.suppressed
         if self.messages:
             self.ids.advance_past(max(self.messages))
         self.refresh_free_space()
@@ -202,12 +205,34 @@ class Spool:
         return future
 
     def update(self, message: Message) -> asyncio.Future:
-        """Journal a changed record of a queued message."""
+        """Journal a changed record of a queued message.
+
+        Unlike acceptance, the queue shows the change at once: the delivery side
+        always reads the latest record, durable or not (a lost update costs at
+        worst one more attempt, never a lost message).
+        """
+        if message.id not in self.messages:  # removed meanwhile: must not come back
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(message.id)
+            return future
+        self.messages[message.id] = message
         return self._enqueue(Update(message))
 
     def remove(self, queue_id: str, reason: str) -> asyncio.Future:
-        """Journal the end of a message, then delete its file."""
+        """Journal the end of a message, then delete its file (leaves the queue at once)."""
+        self.messages.pop(queue_id, None)
         return self._enqueue(Remove(queue_id, reason))
+
+    def suppress(self, address: str, until: float, reason: str) -> asyncio.Future:
+        return self._enqueue(Suppress(address.lower(), until, reason))
+
+    def unsuppress(self, address: str) -> asyncio.Future:
+        return self._enqueue(Unsuppress(address.lower()))
+
+    def suppression(self, address: str, now: float) -> Suppress | None:
+        """The active suppression of an address, if any."""
+        entry = self.suppressed.get(address.lower())
+        return entry if entry is not None and entry.until > now else None
 
     def content(self, queue_id: str) -> bytes:
         """The stored content (blocking read; call from a worker thread)."""
@@ -258,15 +283,23 @@ class Spool:
                 )
                 continue
             if isinstance(op, Remove):
-                self.messages.pop(op.id, None)
                 future.set_result(op.id)
                 continue
+            if isinstance(op, Suppress):
+                self.suppressed[op.address] = op
+                future.set_result(op.address)
+                continue
+            if isinstance(op, Unsuppress):
+                self.suppressed.pop(op.address, None)
+                future.set_result(op.address)
+                continue
             message = op.message
-            self.messages[message.id] = message
-            if message.idempotency_key is not None:
-                self.keys[message.idempotency_key] = (message.id, message.created)
-            if isinstance(op, Accept) and self.on_commit is not None:
-                self.on_commit(message)
+            if isinstance(op, Accept):
+                self.messages[message.id] = message
+                if message.idempotency_key is not None:
+                    self.keys[message.idempotency_key] = (message.id, message.created)
+                if self.on_commit is not None:
+                    self.on_commit(message)
             future.set_result(message.id)
         self._send()
 

@@ -36,7 +36,7 @@ from . import journal
 from .durable import fsync_dir, is_disk_full, write_all
 from .layout import SpoolLayout
 from .message_file import prelude_and_header
-from .records import Delete, JournalState, Put
+from .records import Delete, JournalState, Put, Record, Suppress, Unsuppress
 
 IO_THREADS = 4
 _LENGTH = struct.Struct("<I")
@@ -56,7 +56,8 @@ class Remove(msgspec.Struct, tag=2, array_like=True, frozen=True):
     reason: str
 
 
-Op = Accept | Update | Remove
+# Suppression list changes are journal records as they are.
+Op = Accept | Update | Remove | Suppress | Unsuppress
 
 
 class Batch(msgspec.Struct, array_like=True, frozen=True):
@@ -119,9 +120,7 @@ class SpoolWriter:
         records = []
         for op, outcome in zip(ops, outcomes, strict=True):
             if not outcome:
-                records.append(
-                    Delete(op.id, op.reason) if isinstance(op, Remove) else Put(op.message)
-                )
+                records.append(_record(op))
         if records:
             try:
                 self.journal.append(b"".join(journal.encode(rec) for rec in records))
@@ -171,7 +170,9 @@ class SpoolWriter:
                     written.remove(i)
 
     def compact(self) -> None:
-        self.state.forget_keys_before(time.time() - self.dedupe_window)
+        now = time.time()
+        self.state.forget_keys_before(now - self.dedupe_window)
+        self.state.forget_suppressions_before(now)
         try:
             journal.compact(self.journal, self.state)
         except OSError:
@@ -181,6 +182,14 @@ class SpoolWriter:
     def close(self) -> None:
         self._pool.shutdown()
         self.journal.close()
+
+
+def _record(op: Op) -> Record:
+    if isinstance(op, Remove):
+        return Delete(op.id, op.reason)
+    if isinstance(op, Accept | Update):
+        return Put(op.message)
+    return op
 
 
 def _outcome(exc: OSError) -> str:

@@ -1,0 +1,101 @@
+"""End-to-end throughput (accept + deliver), side by side with Postfix.
+
+    python bench/delivery_bench.py [--messages 10000] [--sessions 20] [--size 2048] [--rounds 3]
+
+Each round: `smtp-source -s SESSIONS -m MESSAGES -l SIZE` submits to the MTA, which relays
+everything to one `smtp-sink`; the clock runs from the first submission until the sink has
+counted every message and the MTA's queue is empty. Postfix (relayhost = the sink) and
+mtaqueue (delivery.relayhost = the sink) alternate, so both meet the same machine state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accept_bench import Mtaqueue
+from postfix_instance import PostfixInstance, SmtpSink, postfix_available, smtp_source
+
+SINK = "127.0.0.1:2700"
+POSTFIX = "127.0.0.1:2625"
+MTAQUEUE_PORT = 2626
+
+
+def run_timed(submit, drained, timeout: float = 600.0) -> float:
+    """Seconds from the start of `submit` until `drained()` holds."""
+    started = time.monotonic()
+    thread = threading.Thread(target=submit)
+    thread.start()
+    while not drained():
+        if time.monotonic() - started > timeout:
+            raise RuntimeError("did not drain in time")
+        time.sleep(0.05)
+    thread.join()
+    return time.monotonic() - started
+
+
+def mtaqueue_round(args, workdir: Path, sink: SmtpSink) -> float:
+    host, port = SINK.split(":")
+    mq = Mtaqueue(workdir, MTAQUEUE_PORT, f"delivery.relayhost=[{host}]:{port}")
+    mq.start()  # its probe message goes to the sink too
+    base = sink.count()
+    try:
+        seconds = run_timed(
+            lambda: smtp_source(
+                f"127.0.0.1:{MTAQUEUE_PORT}", args.sessions, args.messages, args.size
+            ),
+            lambda: sink.count() - base >= args.messages and mq.queued() == 0,
+        )
+    finally:
+        mq.stop()
+    return args.messages / seconds
+
+
+def postfix_round(args, workdir: Path, sink: SmtpSink) -> float:
+    base = sink.count()
+    with PostfixInstance(workdir, listen=POSTFIX, mode="relay", relay=SINK) as pf:
+        seconds = run_timed(
+            lambda: smtp_source(POSTFIX, args.sessions, args.messages, args.size),
+            lambda: sink.count() - base >= args.messages and pf.queue_count() == 0,
+        )
+    return args.messages / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--messages", type=int, default=10000)
+    parser.add_argument("--sessions", type=int, default=20)
+    parser.add_argument("--size", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="mtaqueue-bench-", dir=os.environ.get("BENCH_DIR")))
+    workdir.chmod(0o755)  # Postfix's own user must reach its queue inside
+    mq_rates, pf_rates = [], []
+    try:
+        with SmtpSink(SINK) as sink:
+            for round_ in range(args.rounds):
+                if postfix_available():
+                    pf_rates.append(postfix_round(args, workdir / f"postfix{round_}", sink))
+                    print(f"round {round_}: postfix  {pf_rates[-1]:7.0f} msgs/s", flush=True)
+                mq_rates.append(mtaqueue_round(args, workdir / f"mq{round_}", sink))
+                print(f"round {round_}: mtaqueue {mq_rates[-1]:7.0f} msgs/s", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    mq_median = statistics.median(mq_rates)
+    print(f"mtaqueue median: {mq_median:.0f} msgs/s end to end")
+    if pf_rates:
+        pf_median = statistics.median(pf_rates)
+        print(f"postfix median:  {pf_median:.0f} msgs/s end to end")
+        print(f"ratio mtaqueue/postfix: {mq_median / pf_median:.2f}")
+
+
+if __name__ == "__main__":
+    main()

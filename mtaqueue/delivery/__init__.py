@@ -1,0 +1,1 @@
+"""Delivery: the queue manager that sends queued mail to its next hops."""

@@ -1,0 +1,459 @@
+"""Classify a reply (or a network event) into a `Verdict`: what happened, whom it concerns,
+and why.
+
+Outcome: "delivered", "transient" (retry later), "permanent" (bounce), or "ambiguous": no
+reply came after the final dot, so the message may or may not have arrived. With
+`delivery.ambiguous = "retry"` that is the outcome (retried, at the risk of a duplicate);
+with "assume-delivered" the outcome is "delivered" and the kind "ambiguous" (a possible loss
+that logs and metrics can still tell from a real 250).
+
+Scope, whom the verdict concerns:
+- "recipient": this recipient only (a RCPT reply);
+- "message": every recipient of the transaction (MAIL, DATA, end of data; RFC 5321 3.8
+  treats a connection lost mid-transaction as a 451 for all of them);
+- "host": the MX host failed before a transaction: suspend it and try the next MX;
+- "destination": the whole destination (its MX set, its domain) is deferring us: pace it.
+
+Kind says why, for pacing and for people: greylisting wants a patient second attempt of
+that recipient; throttling wants the destination slowed down (retrying sooner or later does
+not help); "mailbox" with `suppress` is a hard bounce that goes on the suppression list.
+
+Precedence: a 2xx is a success; then the site's rules (`delivery.rules`, first match); then
+the next-hop lookup, network events, and the built-in `_TABLE` (first match); then the
+reply's class digit (4 transient, 5 permanent; RFC 3463 says to honour the class even when
+the subject or detail is unknown).
+
+In short, the table says:
+- greylisting words ("greylisted", "graylist", "postgrey") in a 4xx: greylisting, recipient;
+- 4xx with 4.7.28, Microsoft 4.7.5xx/6xx, Yahoo TSxx, "rate limited", "too many
+  connections", "server busy"...: throttling, destination (Yahoo TS03 with a 4 h wait);
+  Gmail's 450 4.2.1 "receiving mail too quickly" is one mailbox's limit: recipient;
+- 421 at any phase: the site closed the session: destination (throttling if 4.7.x);
+- "try again later" with 450/451 and no or a 4.7.0/4.7.1/4.2.0 code: at RCPT greylisting,
+  elsewhere throttling;
+- any failure at connect/greeting/EHLO/STARTTLS: transient, host (try the next MX; Postfix
+  treats a 5xx greeting the same way);
+- at RCPT: x.5.3, 452, or "too many recipients" (a 552 too): too_many_recipients,
+  transient (RFC 5321 4.5.3.1.10); x.2.2, 552 or "mailbox full": mailbox_full, transient
+  (RFC 3463: "persistent transient"); 5.1.0/1/2/3/6/10, 5.2.1 (disabled), or a 550 "user
+  unknown": mailbox, suppressed;
+- x.3.4/x.2.3 or a 552 at MAIL/DATA: size; x.6.x, or a 554 after the data: content;
+  x.7.x: policy; 500-504, 555, x.5.x: protocol; a 5xx to MAIL: policy.
+
+Verdict.status is the reply's enhanced code, else one derived from the kind; its class
+always agrees with the outcome (a transient 552 5.2.2 reports 4.2.2), as DSNs need.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from .. import config
+from .replies import PHASES, Reply
+
+# Outcomes.
+DELIVERED = "delivered"
+TRANSIENT = "transient"
+PERMANENT = "permanent"
+AMBIGUOUS = "ambiguous"
+
+# Scopes.
+RECIPIENT = "recipient"
+MESSAGE = "message"
+HOST = "host"
+DESTINATION = "destination"
+
+# Kinds.
+OK = "ok"
+GREYLISTING = "greylisting"
+THROTTLING = "throttling"
+MAILBOX = "mailbox"
+MAILBOX_FULL = "mailbox_full"
+POLICY = "policy"
+CONTENT = "content"
+SIZE = "size"
+TOO_MANY_RECIPIENTS = "too_many_recipients"
+NETWORK = "network"
+DNS = "dns"
+PROTOCOL = "protocol"
+TLS = "tls"
+OTHER = "other"
+# AMBIGUOUS is also a kind: a lost final reply taken as delivered (see classify).
+KINDS = (
+    OK,
+    GREYLISTING,
+    THROTTLING,
+    MAILBOX,
+    MAILBOX_FULL,
+    POLICY,
+    CONTENT,
+    SIZE,
+    TOO_MANY_RECIPIENTS,
+    NETWORK,
+    DNS,
+    PROTOCOL,
+    TLS,
+    OTHER,
+    AMBIGUOUS,
+)
+RULE_KINDS = KINDS[1:-1]  # a site rule classifies a failure: not "ok", not "ambiguous"
+
+
+class Verdict(msgspec.Struct, frozen=True):
+    outcome: str
+    scope: str
+    kind: str
+    retry_after: float | None = None  # seconds, from a server hint ("try again in 5 minutes")
+    suppress: bool = False  # hard bounce of a bad mailbox: suppress the address
+    status: str = ""  # enhanced status for a DSN, its class agreeing with the outcome
+
+
+class Rule(msgspec.Struct, frozen=True):
+    """A compiled site rule (`delivery.rules`)."""
+
+    pattern: re.Pattern[str]
+    outcome: str
+    kind: str
+    phase: str = ""
+
+
+def compile_rules(rules: Sequence[config.ReplyRule]) -> tuple[Rule, ...]:
+    """Site rules, ready for classify. Patterns ignore case: servers do not agree on it and
+    change it over time ("(?-i:...)" turns that off). Raises ConfigError naming the rule."""
+    compiled = []
+    for i, rule in enumerate(rules):
+        where = f"delivery.rules[{i}]"
+        if rule.phase and rule.phase not in PHASES:
+            expected = ", ".join(PHASES)
+            raise config.ConfigError(
+                f"{where}.phase: unknown phase {rule.phase!r} (expected one of {expected})"
+            )
+        if rule.kind not in RULE_KINDS:
+            expected = ", ".join(RULE_KINDS)
+            raise config.ConfigError(
+                f"{where}.kind: unknown kind {rule.kind!r} (expected one of {expected})"
+            )
+        try:
+            pattern = re.compile(rule.match, re.IGNORECASE)
+        except re.error as exc:
+            raise config.ConfigError(f"{where}.match: invalid regex: {exc}") from None
+        compiled.append(Rule(pattern, rule.outcome, rule.kind, rule.phase))
+    return tuple(compiled)
+
+
+def classify(
+    reply: Reply, rules: Sequence[Rule] = (), *, ambiguous_policy: str = "retry"
+) -> Verdict:
+    """The verdict on one reply; `ambiguous_policy` is `delivery.ambiguous`."""
+    klass = reply.code // 100
+    if klass == 2 or (klass == 3 and reply.phase == "data"):
+        # Only 2xx at RCPT and after the data are final; elsewhere this is a step done.
+        return _verdict(reply, DELIVERED, OK)
+    if reply.code == 0 and reply.phase == "data_end":
+        # Checked before the site rules: choosing between a duplicate and a loss is
+        # delivery.ambiguous's job, not a regex's.
+        return _ambiguous(ambiguous_policy)
+    for rule in rules:
+        if rule.phase in ("", reply.phase) and rule.pattern.search(reply.line()):
+            return _verdict(
+                reply,
+                rule.outcome,
+                rule.kind,
+                scope=DESTINATION if rule.kind == THROTTLING else "",
+                suppress=rule.kind == MAILBOX and reply.phase == "rcpt",
+            )
+    if reply.phase == "dns":
+        return _dns(reply)
+    if reply.code == 0:
+        return _network(reply)
+    if klass not in (4, 5):  # 1xx, 3xx out of place, or no valid code at all
+        return _verdict(reply, TRANSIENT, PROTOCOL)
+    key = f"{reply.phase} {reply.code} {reply.enhanced or '-'}"
+    for row in _TABLE:
+        if row.key.fullmatch(key) and (row.text is None or row.text.search(reply.text)):
+            return _verdict(
+                reply,
+                row.outcome or _by_class(klass),
+                row.kind,
+                scope=row.scope,
+                suppress=row.suppress,
+                retry_after=row.retry_after,
+            )
+    return _verdict(reply, _by_class(klass), OTHER)
+
+
+# -- the built-in table ----------------------------------------------------------------
+
+
+class _Row(msgspec.Struct, frozen=True):
+    kind: str
+    key: re.Pattern[str]  # fullmatch on "PHASE CODE ENHANCED": "rcpt 550 5.1.1", "mail 451 -"
+    text: re.Pattern[str] | None  # searched in the reply text
+    outcome: str  # "" = by the class digit
+    scope: str  # "" = by phase
+    suppress: bool  # when the outcome is permanent
+    retry_after: float | None  # when the text gives no hint
+
+
+def _number(glob: str) -> str:
+    # "x" alone is any number; inside a number each x is one digit ("45x", "5xx").
+    return "[0-9]+" if glob == "x" else glob.replace("x", "[0-9]")
+
+
+def _status_glob(glob: str) -> str:
+    # "*" is anything, "-" no enhanced code, else dotted numbers: "x.7.28", "4.7.5xx".
+    return r"\S+" if glob == "*" else r"\.".join(_number(part) for part in glob.split("."))
+
+
+def _either(globs: str, convert: Callable[[str], str]) -> str:
+    return "(?:" + "|".join(convert(glob) for glob in globs.split()) + ")"
+
+
+def _row(
+    kind: str,
+    *,
+    codes: str = "4xx 5xx",
+    status: str = "*",
+    text: str = "",
+    phases: str = "",
+    outcome: str = "",
+    scope: str = "",
+    suppress: bool = False,
+    retry_after: float | None = None,
+) -> _Row:
+    """A table row; every condition given must hold. Space-separated alternatives."""
+    phase = _either(phases, re.escape) if phases else r"\S+"
+    key = re.compile(f"{phase} {_either(codes, _number)} {_either(status, _status_glob)}")
+    pattern = re.compile(text, re.IGNORECASE) if text else None
+    return _Row(kind, key, pattern, outcome, scope, suppress, retry_after)
+
+
+_GENERIC = "- x.0.0"  # no enhanced code, or one that adds nothing to the class
+_SETUP = "connect banner ehlo starttls"  # before a transaction: the host's business
+
+_GREYLIST = r"gr[ae]y[ -]?list|postgrey"
+_THROTTLE = (
+    r"rate[ -]?limit|too many (?!recipients)|sending rate|unusual rate|too (?:fast|quickly)"
+    r"|throttl|(?:server|too) busy|unexpected volume|\bTSS?[0-9]{2}\b"
+)
+_TRY_LATER = r"\b(?:(?:try|retry|come back) (?:again )?later|(?:try again|retry|come back) in\b)"
+_MAILBOX_FULL = r"mailbox (?:is )?full|over ?quota|quota (?:exceeded|full)|storage allocation"
+_NO_SUCH_USER = (
+    r"user unknown|unknown (?:user|recipient|mailbox)|no such (?:user|mailbox|recipient|address)"
+    r"|does ?n[o']t exist|mailbox (?:unavailable|not found)|invalid (?:recipient|mailbox)"
+    r"|does ?n[o']t have an? \S+ account"
+)
+# Yahoo TS03 ("permanently deferred, retrying will NOT succeed") comes as a 4xx: the mail
+# stays ours, so keep it, but do not knock again for hours; expiry ends it if nothing changes.
+_TS03_WAIT = 4 * 3600.0
+
+_TABLE = (
+    # Greylisting says so; nothing else uses those words, so they come first.
+    _row(GREYLISTING, codes="4xx", text=_GREYLIST),
+    # Throttling: pace the destination. Gmail's 4.2.1 "receiving mail too quickly" limits
+    # one mailbox, though: that stays with the recipient.
+    _row(THROTTLING, codes="4xx", status="x.2.1", text=r"too quickly|at a rate"),
+    _row(THROTTLING, codes="4xx", text=r"\bTS03\b", scope=DESTINATION, retry_after=_TS03_WAIT),
+    # Gmail 4.7.28 (unsolicited mail rate); Microsoft 4.7.500-699 (throttled, reputation).
+    _row(THROTTLING, codes="4xx", status="x.7.28 x.7.5xx x.7.6xx", scope=DESTINATION),
+    _row(THROTTLING, codes="4xx", text=_THROTTLE, scope=DESTINATION),
+    # 421 closes the session at any phase: the site, not this message, is the problem.
+    _row(THROTTLING, codes="421", status="x.7.x", scope=DESTINATION),
+    _row(OTHER, codes="421", scope=DESTINATION),
+    # A bare "try again later": at RCPT the classic greylisting reply (one recipient waits,
+    # the destination is not slowed for it); elsewhere the site deferring us.
+    _row(
+        GREYLISTING,
+        codes="450 451",
+        status="- x.7.0 x.7.1 x.2.0",
+        text=_TRY_LATER,
+        phases="rcpt",
+    ),
+    _row(
+        THROTTLING,
+        codes="4xx",
+        status="- x.7.0",
+        text=_TRY_LATER,
+        phases=_SETUP + " mail data data_end",
+        scope=DESTINATION,
+    ),
+    # Before a transaction, every failure is the host's: try the next MX. Postfix does so
+    # even for a 5xx greeting (smtp_skip_5xx_greeting), so none of these bounces.
+    _row(TLS, phases="starttls", outcome=TRANSIENT),
+    _row(POLICY, status="x.7.x", phases=_SETUP, outcome=TRANSIENT),
+    _row(OTHER, phases=_SETUP, outcome=TRANSIENT),
+    # Too many recipients: send the rest in another transaction; RFC 5321 4.5.3.1.10 says
+    # to take even a 552 here as temporary.
+    _row(TOO_MANY_RECIPIENTS, status="x.5.3", phases="rcpt", outcome=TRANSIENT),
+    _row(TOO_MANY_RECIPIENTS, codes="452", status="-", phases="rcpt"),
+    _row(
+        TOO_MANY_RECIPIENTS,
+        codes="4xx 552",
+        text="too many recipients",
+        phases="rcpt",
+        outcome=TRANSIENT,
+    ),
+    # Mailbox full is "persistent transient" (RFC 3463 X.2.2), even in a 5xx; a plain 552
+    # at RCPT is RFC 5321's "exceeded storage allocation".
+    _row(MAILBOX_FULL, status="x.2.2", outcome=TRANSIENT),
+    _row(MAILBOX_FULL, codes="552", status=_GENERIC, phases="rcpt", outcome=TRANSIENT),
+    _row(
+        MAILBOX_FULL,
+        status=_GENERIC,
+        text=_MAILBOX_FULL,
+        phases="rcpt data_end",
+        outcome=TRANSIENT,
+    ),
+    # The address is bad for good (no such mailbox, no such domain, null MX, moved,
+    # disabled): bounce and suppress. The suppression TTL undoes the rare comeback.
+    _row(
+        MAILBOX,
+        status="x.1.0 x.1.1 x.1.2 x.1.3 x.1.6 x.1.10 x.2.1",
+        phases="rcpt",
+        suppress=True,
+    ),
+    _row(
+        MAILBOX,
+        codes="550 553 554",
+        status=_GENERIC,
+        text=_NO_SUCH_USER,
+        phases="rcpt",
+        suppress=True,
+    ),
+    # Microsoft 365's directory-based edge blocking: no such address in the tenant.
+    _row(
+        MAILBOX,
+        codes="550",
+        status="5.4.1",
+        text="recipient address rejected",
+        phases="rcpt",
+        suppress=True,
+    ),
+    # Size and content, whatever the phase (SIZE= at MAIL, or after the data).
+    _row(SIZE, status="x.3.4 x.2.3"),
+    _row(SIZE, codes="552", status=_GENERIC, phases="mail data data_end"),
+    _row(CONTENT, status="x.6.x"),
+    _row(POLICY, status="x.7.x"),
+    _row(CONTENT, codes="554", phases="data_end"),
+    _row(PROTOCOL, codes="500 501 502 503 504 555"),
+    _row(PROTOCOL, status="x.5.x"),
+    # MAIL FROM refused: the sender, or this message, is not welcome there.
+    _row(POLICY, codes="5xx", phases="mail"),
+)
+
+
+# -- everything that is not a plain reply ------------------------------------------------
+
+
+def _ambiguous(policy: str) -> Verdict:
+    """No reply after the final dot. "retry" risks a duplicate; "assume-delivered" risks a
+    loss and says so in its kind, so logs and metrics still tell it from a real 250."""
+    if policy == "retry":
+        return Verdict(AMBIGUOUS, MESSAGE, NETWORK, status="4.4.2")
+    if policy == "assume-delivered":
+        return Verdict(DELIVERED, MESSAGE, AMBIGUOUS, status="2.0.0")
+    raise ValueError(f"unknown ambiguous policy {policy!r}")
+
+
+def _dns(reply: Reply) -> Verdict:
+    """The next-hop lookup failed; the resolver's enhanced code says how (5.1.2 NXDOMAIN,
+    5.1.10 null MX, 5.4.4 no address, 4.4.3 a failure to retry)."""
+    klass = reply.code // 100 if reply.code else int(reply.enhanced[:1] or 4)
+    outcome = _by_class(klass)
+    # No such domain and a null MX are final for the address; 5.4.4 may be their broken DNS.
+    bad_address = reply.enhanced[1:4] == ".1."
+    return _verdict(reply, outcome, DNS, suppress=bad_address, detail="4.3")
+
+
+def _network(reply: Reply) -> Verdict:
+    """No reply (refused, timeout, lost, TLS). Before MAIL it is the host's problem: try the
+    next MX; during a transaction RFC 5321 3.8 says to take it as a 451 for all of it."""
+    setup = PHASES.index(reply.phase) < PHASES.index("mail")
+    outcome = PERMANENT if reply.enhanced.startswith("5") else TRANSIENT
+    if reply.network == "tls" and setup:
+        return _verdict(reply, outcome, TLS)
+    # RFC 3463: 4.4.1 no answer from host, 4.4.2 bad connection.
+    detail = "4.1" if reply.phase == "connect" else "4.2"
+    return _verdict(reply, outcome, NETWORK, scope="" if setup else MESSAGE, detail=detail)
+
+
+# -- assembling a verdict -------------------------------------------------------------------
+
+_PHASE_SCOPE = {
+    "dns": DESTINATION,
+    "connect": HOST,
+    "banner": HOST,
+    "ehlo": HOST,
+    "starttls": HOST,
+    "mail": MESSAGE,
+    "rcpt": RECIPIENT,
+    "data": MESSAGE,
+    "data_end": MESSAGE,
+}
+_STATUS_CLASS = {DELIVERED: "2", TRANSIENT: "4", AMBIGUOUS: "4", PERMANENT: "5"}
+# Subject.detail for a reply without an enhanced code.
+_DETAIL = {
+    MAILBOX: "1.1",
+    MAILBOX_FULL: "2.2",
+    SIZE: "3.4",
+    TOO_MANY_RECIPIENTS: "5.3",
+    PROTOCOL: "5.0",
+    TLS: "7.5",
+}
+
+
+def _by_class(klass: int) -> str:
+    return PERMANENT if klass == 5 else TRANSIENT
+
+
+def _verdict(
+    reply: Reply,
+    outcome: str,
+    kind: str,
+    *,
+    scope: str = "",
+    suppress: bool = False,
+    retry_after: float | None = None,
+    detail: str = "",
+) -> Verdict:
+    if not scope:
+        scope = _PHASE_SCOPE[reply.phase]
+        if scope == HOST and outcome == PERMANENT:
+            scope = MESSAGE  # "try the next MX" means nothing for a bounce (site rules only)
+    if outcome == TRANSIENT:
+        hint = _hint(reply.text)
+        retry_after = hint if hint is not None else retry_after
+    else:
+        retry_after = None
+    detail = reply.enhanced[2:] or detail or _DETAIL.get(kind, "0.0")
+    status = f"{_STATUS_CLASS[outcome]}.{detail}"
+    return Verdict(outcome, scope, kind, retry_after, suppress and outcome == PERMANENT, status)
+
+
+# "try again in 5 minutes", "retry in 300 seconds", "come back in 1 hour", "wait 60s",
+# "greylisted for 300 seconds", milter-greylist's "come back in 00:04:57".
+_HINT = re.compile(
+    r"(?:\b(?:again|retry|back|wait|resend)|listed|deferred|delayed)\s+(?:(?:in|after|for)\s+)?"
+    r"(?:([0-9]{1,2}):([0-9]{2}):([0-9]{2})\b"
+    r"|([0-9]+(?:\.[0-9]+)?)\s*(s|secs?|seconds?|m|mins?|minutes?|h|hrs?|hours?)\b)",
+    re.IGNORECASE,
+)
+_UNIT = {"s": 1, "m": 60, "h": 3600}
+# A hint is believed up to a day: a wild one must not park mail past its lifetime (the
+# look-ahead expiry would then bounce it at once).
+MAX_HINT = 86400.0
+
+
+def _hint(text: str) -> float | None:
+    """Seconds the server asks us to wait, if its text says."""
+    m = _HINT.search(text)
+    if m is None:
+        return None
+    if m[1]:
+        seconds = int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3])
+    else:
+        seconds = float(m[4]) * _UNIT[m[5][0].lower()]
+    return min(float(seconds), MAX_HINT)

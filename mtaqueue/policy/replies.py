@@ -1,0 +1,85 @@
+"""What a delivery attempt got back: an SMTP reply, or a network event where none came.
+
+The SMTP client turns every step of a conversation into a `Reply`; the policy
+classifies it (`classify.py`) and the queue records `Reply.line()` as the
+recipient's last reply and as the DSN's Diagnostic-Code.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+# Phases of an SMTP client conversation, in order. "dns" is the next-hop lookup,
+# "data" waits for the 354, "data_end" for the reply after the final dot.
+PHASES = ("dns", "connect", "banner", "ehlo", "starttls", "mail", "rcpt", "data", "data_end")
+
+# What happened instead of a reply (code 0). "lost" is a connection closed or reset,
+# "dns" a failed lookup of the next hop.
+NETWORK_EVENTS = ("refused", "timeout", "lost", "unreachable", "tls", "dns")
+
+# RFC 3463 class.subject.detail; the class must agree with the reply code's first
+# digit (RFC 2034 section 3), otherwise it is just text.
+_ENHANCED = re.compile(r"([245])\.[0-9]{1,3}\.[0-9]{1,3}(?=\s|$)")
+
+_EVENTS = {
+    "refused": "connection refused",
+    "timeout": "timeout",
+    "lost": "connection lost",
+    "unreachable": "host unreachable",
+    "tls": "TLS failure",
+    "dns": "DNS failure",
+}
+_WHILE = {
+    "dns": "while looking up the next hop",
+    "connect": "while connecting",
+    "banner": "while waiting for the 220 greeting",
+    "ehlo": "while waiting for the reply to EHLO",
+    "starttls": "during STARTTLS",
+    "mail": "while waiting for the reply to MAIL FROM",
+    "rcpt": "while waiting for the reply to RCPT TO",
+    "data": "while waiting for the reply to DATA",
+    "data_end": "after the end of data (the message may have been delivered)",
+}
+
+
+class Reply(msgspec.Struct, frozen=True):
+    phase: str
+    code: int  # SMTP reply code; 0 when there was no reply (a network event)
+    enhanced: str = ""  # "5.1.1" when the reply carried one, else ""
+    text: str = ""  # reply text (multi-line joined with " / "), or a description of the event
+    network: str = ""  # for code 0: one of NETWORK_EVENTS
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"unknown phase {self.phase!r}")
+        if (self.code == 0) != bool(self.network):
+            raise ValueError("a network event has code 0 and a reply has no network event")
+        if self.network and self.network not in NETWORK_EVENTS:
+            raise ValueError(f"unknown network event {self.network!r}")
+        if self.enhanced and not _ENHANCED.fullmatch(self.enhanced):
+            raise ValueError(f"not an enhanced status code: {self.enhanced!r}")
+
+    @classmethod
+    def parse(cls, phase: str, code: int, message: str) -> Reply:
+        """A reply from its code and message (as aiosmtplib gives them: one line per reply
+        line, codes stripped). A leading enhanced code is split off; servers that repeat it
+        on every line (Gmail) get it removed from each."""
+        lines = [line.strip() for line in message.splitlines()]
+        enhanced = ""
+        m = _ENHANCED.match(lines[0]) if lines else None
+        if m and int(m[1]) == code // 100:
+            enhanced = m[0]
+            repeated = re.compile(r"\A" + re.escape(enhanced) + r"(?=\s|$)")
+            lines = [repeated.sub("", line, count=1).lstrip() for line in lines]
+        return cls(phase, code, enhanced, " / ".join(line for line in lines if line))
+
+    def line(self) -> str:
+        """One line for logs, last_reply and DSNs: "550 5.1.1 text". A network event has
+        no code: "[enhanced] description", the description being the client's text, else
+        e.g. "timeout while waiting for the 220 greeting"."""
+        if self.code == 0:
+            text = self.text or f"{_EVENTS[self.network]} {_WHILE[self.phase]}"
+            return f"{self.enhanced} {text}" if self.enhanced else text
+        return " ".join(part for part in (str(self.code), self.enhanced, self.text) if part)

@@ -1,0 +1,231 @@
+"""Settle a delivery attempt onto a message record (pure).
+
+Input: the message as it is now, what the attempt got for some of its recipients
+(a `Reply` and its `Verdict` each), the time, a random source and the settings.
+Output: the new record, and what must follow from it — notices (DSNs) to send,
+addresses to suppress, one log event per recipient. The caller does the I/O.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import msgspec
+
+from ..dsn import RecipientReport, wants_notice
+from ..model import BOUNCED, DEFERRED, DELIVERED, EXPIRED, FINAL_STATES, Message, Recipient
+from .backoff import RetryPolicy, expires_before, expiry, next_attempt
+from .classify import Verdict
+from .replies import Reply
+
+
+@dataclass(frozen=True, slots=True)
+class SettleSettings:
+    retry: RetryPolicy
+    lifetime: float  # of the message's class
+    expire_action: str  # bounce, discard or hold
+    delay_after: float
+    delay_without_notify: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What one recipient got in an attempt."""
+
+    index: int  # into message.recipients
+    reply: Reply
+    verdict: Verdict
+    remote_mta: str | None  # the MX host that answered, if any
+    ip: str | None = None
+    dsn_relayed: bool = False  # delivered to a server that does not pass DSNs on
+
+
+@dataclass(slots=True)
+class Settlement:
+    message: Message
+    failed: list[RecipientReport] = field(default_factory=list)  # for a failure DSN
+    delayed: list[RecipientReport] = field(default_factory=list)
+    succeeded: list[RecipientReport] = field(default_factory=list)  # "relayed" notices
+    suppress: list[tuple[str, str]] = field(default_factory=list)  # (address, reason)
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        """Every recipient is final: the message can leave the queue."""
+        return all(r.state in FINAL_STATES for r in self.message.recipients)
+
+
+def settle(
+    message: Message,
+    results: list[Result],
+    now: float,
+    rng: random.Random,
+    settings: SettleSettings,
+) -> Settlement:
+    recipients = list(message.recipients)
+    out = Settlement(message)
+    expires_at = expiry(message.created, settings.lifetime, message.expires)
+    for result in results:
+        old = recipients[result.index]
+        verdict, reply = result.verdict, result.reply
+        attempts = old.attempts + 1
+        common = {
+            "attempts": attempts,
+            "last_reply": reply.line(),
+            "last_attempt": now,
+            "remote_mta": result.remote_mta or old.remote_mta,
+            "next_attempt": None,
+        }
+        if verdict.outcome == "delivered":
+            new = msgspec.structs.replace(old, state=DELIVERED, **common)
+            if result.dsn_relayed and wants_notice(message, new, "relayed"):
+                out.succeeded.append(_report(new, "relayed", verdict.status or "2.0.0", now))
+        elif verdict.outcome == "permanent":
+            new = msgspec.structs.replace(old, state=BOUNCED, **common)
+            if verdict.suppress:
+                out.suppress.append((old.address, reply.line()))
+            if wants_notice(message, new, "failed"):
+                out.failed.append(_report(new, "failed", verdict.status or "5.0.0", now))
+        else:  # transient, or ambiguous under the "retry" policy
+            due = next_attempt(
+                settings.retry,
+                attempts,
+                now,
+                rng,
+                kind=verdict.kind,
+                retry_after=verdict.retry_after,
+            )
+            new = msgspec.structs.replace(old, state=DEFERRED, **(common | {"next_attempt": due}))
+            if expires_before(due, expires_at):
+                new = _expire(message, new, verdict.status, now, settings, out)
+        recipients[result.index] = new
+        out.events.append(_event(message, new, result, attempts, now))
+
+    out.message = msgspec.structs.replace(message, recipients=tuple(recipients))
+    statuses = {r.index: r.verdict.status for r in results if r.verdict.status}
+    _delay_notices(out, now, settings, statuses)
+    return out
+
+
+def expire_due(message: Message, now: float, settings: SettleSettings) -> Settlement | None:
+    """Expire the pending recipients of a message whose lifetime has passed.
+
+    Checked periodically for every message, whatever its state: mail that waits on a
+    suspended destination or a long retry still expires on time.
+    """
+    if message.held or now < expiry(message.created, settings.lifetime, message.expires):
+        return None
+    out = Settlement(message)
+    recipients = list(message.recipients)
+    for i, rcpt in enumerate(recipients):
+        if rcpt.state not in FINAL_STATES:
+            recipients[i] = _expire(message, rcpt, "", now, settings, out)
+    out.message = msgspec.structs.replace(message, recipients=tuple(recipients))
+    return out
+
+
+def _expire(
+    message: Message,
+    rcpt: Recipient,
+    status: str,
+    now: float,
+    settings: SettleSettings,
+    out: Settlement,
+) -> Recipient:
+    if settings.expire_action == "hold":
+        out.message = msgspec.structs.replace(out.message, held=True)
+        out.events.append({"event": "expired_held", "id": message.id, "rcpt": rcpt.address})
+        return msgspec.structs.replace(rcpt, next_attempt=None)
+    expired = msgspec.structs.replace(rcpt, state=EXPIRED, next_attempt=None)
+    if settings.expire_action == "bounce" and wants_notice(message, expired, "failed"):
+        # The DSN carries the last real reply; 4.4.7 only when there was none.
+        status = status or _status_of(rcpt.last_reply) or "4.4.7"
+        out.failed.append(_report(expired, "failed", status, now))
+    out.events.append(
+        {
+            "event": "expired",
+            "id": message.id,
+            "rcpt": rcpt.address,
+            "action": settings.expire_action,
+            "last_reply": rcpt.last_reply,
+        }
+    )
+    return expired
+
+
+def _delay_notices(
+    out: Settlement, now: float, settings: SettleSettings, statuses: dict[int, str]
+) -> None:
+    """One "delayed" notice per recipient still deferred after dsn.delay_after.
+
+    `statuses`: the classified status of this attempt's replies (a transient 552 5.2.2
+    reports 4.2.2), preferred over the code in the stored reply line.
+    """
+    message = out.message
+    if now - message.created < settings.delay_after:
+        return
+    expires_at = expiry(message.created, settings.lifetime, message.expires)
+    recipients = list(message.recipients)
+    for i, rcpt in enumerate(recipients):
+        if rcpt.state != DEFERRED or rcpt.delay_notified:
+            continue
+        if not wants_notice(
+            message, rcpt, "delayed", delay_without_notify=settings.delay_without_notify
+        ):
+            continue
+        recipients[i] = msgspec.structs.replace(rcpt, delay_notified=True)
+        status = statuses.get(i) or _status_of(rcpt.last_reply) or "4.0.0"
+        out.delayed.append(_report(rcpt, "delayed", status, now, retry_until=expires_at))
+    out.message = msgspec.structs.replace(message, recipients=tuple(recipients))
+
+
+def _report(
+    rcpt: Recipient, action: str, status: str, now: float, retry_until: float | None = None
+) -> RecipientReport:
+    return RecipientReport(
+        recipient=rcpt,
+        action=action,
+        status=status,
+        diagnostic=rcpt.last_reply if _is_smtp(rcpt) else None,
+        remote_mta=rcpt.remote_mta,
+        last_attempt=rcpt.last_attempt,
+        will_retry_until=retry_until,
+    )
+
+
+def _is_smtp(rcpt: Recipient) -> bool:
+    """Whether last_reply is a server's reply (starts with a 3-digit code)."""
+    reply = rcpt.last_reply or ""
+    return len(reply) >= 3 and reply[:3].isdigit()
+
+
+def _status_of(reply: str | None) -> str:
+    """The enhanced status code in a reply line ("550 5.1.1 ..." -> "5.1.1"), or ""."""
+    parts = (reply or "").split(" ", 2)
+    if len(parts) >= 2 and parts[1][:1] in "245" and parts[1].count(".") == 2:
+        return parts[1]
+    return ""
+
+
+def _event(message: Message, rcpt: Recipient, result: Result, attempt: int, now: float) -> dict:
+    reply, verdict = result.reply, result.verdict
+    return {
+        "event": "delivery",
+        "id": message.id,
+        "rcpt": rcpt.address,
+        "domain": rcpt.address.rpartition("@")[2].lower(),
+        "mx": result.remote_mta,
+        "ip": result.ip,
+        "phase": reply.phase,
+        "code": reply.code,
+        "enhanced": reply.enhanced,
+        "text": reply.text,
+        "network": reply.network or None,
+        "outcome": verdict.outcome,
+        "kind": verdict.kind,
+        "state": rcpt.state,
+        "attempt": attempt,
+        "age": round(now - message.created, 3),
+        "next_attempt": rcpt.next_attempt,
+    }

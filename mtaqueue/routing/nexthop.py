@@ -1,0 +1,48 @@
+"""The next hop for a recipient domain: a per-domain route, the relay host, or the domain's MX.
+
+Next hops use Postfix's syntax: "[host]:port" or "[host]" connects to the host itself (its
+A/AAAA, or an IP address), "host:port" or "host" looks up the MX records of host.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import msgspec
+
+from mtaqueue.config import split_host_port
+
+
+class NextHop(msgspec.Struct, frozen=True):
+    host: str  # lower-case domain or host name, or an IP address
+    port: int
+    mx: bool  # True: look up MX records of host; False: connect to host itself
+
+
+def next_hop(domain: str, relayhost: str, routes: dict[str, str], default_port: int) -> NextHop:
+    """Where mail for `domain` goes: routes[domain] ("" = the domain's own MX, bypassing the
+    relay host), else the relay host, else the domain's MX."""
+    domain = domain.lower()
+    hop = routes.get(domain)
+    if hop is None:
+        hop = relayhost
+    if not hop:
+        return _own(domain, default_port)
+    host, port = split_host_port(hop, default_port)
+    # An IP address has no MX records, bracketed or not.
+    return NextHop(host.lower(), port, mx=not hop.startswith("[") and not is_ip_address(host))
+
+
+def _own(domain: str, port: int) -> NextHop:
+    # An address literal ("[192.0.2.1]", "[IPv6:2001:db8::1]") names the host itself.
+    if domain.startswith("[") and domain.endswith("]"):
+        return NextHop(domain[1:-1].removeprefix("ipv6:"), port, mx=False)
+    return NextHop(domain, port, mx=True)
+
+
+def is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,236 @@
+"""Per-host suspend timers (mtaqueue.policy.hosts)."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mtaqueue.policy.hosts import HostSuspensions
+
+BASE, MAX = 60.0, 3600.0
+
+
+@pytest.fixture
+def hosts() -> HostSuspensions:
+    return HostSuspensions(BASE, MAX)
+
+
+def fail_at_each_release(hosts: HostSuspensions, host: str, times: int, now: float = 0.0):
+    """Fail `host` again the moment each suspension ends; the suspension lengths."""
+    lengths = []
+    for _ in range(times):
+        until = hosts.failed(host, now)
+        lengths.append(until - now)
+        now = until
+    return lengths
+
+
+def test_suspension_doubles_up_to_the_maximum(hosts):
+    lengths = fail_at_each_release(hosts, "mx1", 9)
+    assert lengths == [60, 120, 240, 480, 960, 1920, 3600, 3600, 3600]
+
+
+def test_a_success_resets(hosts):
+    fail_at_each_release(hosts, "mx1", 3)
+    hosts.succeeded("mx1")
+    assert not hosts.suspended("mx1", 0.0)
+    assert hosts.failed("mx1", 10_000.0) == 10_000 + BASE
+    hosts.succeeded("unknown.example")  # nothing to forget: fine
+
+
+def test_suspended_until_the_release(hosts):
+    until = hosts.failed("mx1", 100.0)
+    assert until == 160
+    assert hosts.suspended("mx1", 100.0)
+    assert hosts.suspended("mx1", 159.999)
+    assert not hosts.suspended("mx1", 160.0)
+    assert not hosts.suspended("mx2", 100.0)
+
+
+def test_failures_while_suspended_are_the_same_outage(hosts):
+    # Five connections in flight when the host broke all report it.
+    until = hosts.failed("mx1", 100.0)
+    assert [hosts.failed("mx1", 100.0 + i) for i in range(5)] == [until] * 5
+    # The next failure after the release is the second of the streak.
+    assert hosts.failed("mx1", until + 1) == until + 1 + 2 * BASE
+
+
+def test_a_streak_is_forgotten_after_a_quiet_maximum(hosts):
+    assert fail_at_each_release(hosts, "mx1", 3) == [60, 120, 240]  # released at 420
+    # Failing again within `maximum` of the release continues the streak ...
+    again = HostSuspensions(BASE, MAX)
+    fail_at_each_release(again, "mx1", 3)
+    assert again.failed("mx1", 420 + MAX - 1) == 420 + MAX - 1 + 480
+    # ... after that it starts over.
+    assert hosts.failed("mx1", 420 + MAX) == 420 + MAX + BASE
+
+
+def test_available_keeps_the_order(hosts):
+    hosts.failed("mx2", 0.0)
+    assert hosts.available(["mx1", "mx2", "mx3"], 10.0) == ["mx1", "mx3"]
+    assert hosts.available(["mx3", "mx2", "mx1"], 10.0) == ["mx3", "mx1"]
+    assert hosts.available(["mx1", "mx2", "mx3"], 60.0) == ["mx1", "mx2", "mx3"]
+    assert hosts.available([], 10.0) == []
+    assert hosts.available(iter(["mx2", "mx4"]), 10.0) == ["mx4"]
+
+
+def test_next_release(hosts):
+    hosts.failed("mx1", 0.0)  # until 60
+    fail_at_each_release(hosts, "mx2", 2, now=-60.0)  # until 60 + 120 = 120
+    assert hosts.next_release(["mx1", "mx2", "mx3"], 10.0) is None  # mx3 is there
+    assert hosts.next_release(["mx1", "mx2"], 10.0) == 60
+    assert hosts.next_release(["mx2"], 10.0) == 120
+    assert hosts.next_release(iter(["mx2", "mx1"]), 10.0) == 60
+    assert hosts.next_release(["mx1", "mx2"], 60.0) is None  # mx1 is back
+    assert hosts.next_release([], 10.0) is None
+
+
+def test_snapshot(hosts):
+    hosts.failed("mx1", 0.0)
+    assert hosts.snapshot(10.0) == {"mx1": 60.0}
+    hosts.failed("mx2", 30.0)
+    assert hosts.snapshot(40.0) == {"mx1": 60.0, "mx2": 90.0}
+    assert hosts.snapshot(70.0) == {"mx2": 90.0}
+    assert hosts.snapshot(90.0) == {}
+
+
+def test_expired_entries_are_forgotten_lazily(hosts):
+    for i in range(10):
+        hosts.failed(f"mx{i}", 0.0)
+    assert len(hosts) == 10
+    hosts.snapshot(100.0)  # released, still on a streak
+    assert len(hosts) == 10
+    assert not hosts.suspended("mx0", 60 + MAX)  # a look forgets a stale one
+    assert len(hosts) == 9
+    assert hosts.snapshot(60 + MAX) == {}
+    assert len(hosts) == 0
+
+
+def test_memory_is_bounded():
+    hosts = HostSuspensions(BASE, MAX, limit=100)
+    for i in range(1000):
+        hosts.failed(f"mx{i}.example", float(i))
+        assert len(hosts) <= 100
+    # The newest failures are the ones kept.
+    assert hosts.suspended("mx999.example", 999.0)
+    assert not hosts.suspended("mx0.example", 999.0)
+
+
+def test_a_zero_base_never_suspends():
+    hosts = HostSuspensions(0.0, 0.0)
+    assert hosts.failed("mx1", 5.0) == 5.0
+    assert not hosts.suspended("mx1", 5.0)
+
+
+def test_a_long_streak_does_not_overflow():
+    hosts = HostSuspensions(BASE, MAX)
+    assert fail_at_each_release(hosts, "mx1", 2000)[-1] == MAX
+
+
+# -- properties -------------------------------------------------------------------------------
+
+times = st.floats(0, 1e9, allow_nan=False)
+
+
+@given(
+    st.floats(0, 1e4),
+    st.floats(0, 1e6),
+    st.lists(st.floats(0, 1), min_size=1, max_size=40),
+)
+def test_suspensions_grow_and_are_capped(base, maximum, gaps):
+    """Fail again some time after each release (within `maximum`): each suspension is
+    base * 2**(n-1) capped at maximum, so they never shrink."""
+    hosts = HostSuspensions(base, maximum)
+    now, lengths = 0.0, []
+    for n, gap in enumerate(gaps, 1):
+        until = hosts.failed("mx", now)
+        lengths.append(until - now)
+        nominal = min(maximum, base * 2.0 ** (n - 1))
+        assert until - now == pytest.approx(nominal, abs=1e-9 * max(1.0, now))
+        now = until + gap * maximum * 0.999
+    slack = 1e-9 * max(1.0, now)  # `until - now` rounds at the scale of `now`
+    assert all(b >= a - slack for a, b in pairwise(lengths))
+    assert all(length <= maximum + slack for length in lengths)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), times), max_size=30), times)
+def test_available_and_next_release_agree(failures, now):
+    hosts = HostSuspensions(BASE, MAX)
+    for host, at in sorted(failures, key=lambda f: f[1]):
+        hosts.failed(host, at)
+    names = ["a", "b", "c", "d", "e"][: 1 + len(failures) % 5]
+    available = hosts.available(names, now)
+    release = hosts.next_release(names, now)
+    snapshot = hosts.snapshot(now)
+    assert available == [h for h in names if h not in snapshot]
+    if available or not names:
+        assert release is None
+    else:
+        assert release == min(snapshot[h] for h in names)
+        assert release > now
+        assert hosts.available(names, release)  # at the release someone is back
+
+
+class Suspensions(RuleBasedStateMachine):
+    """Random failures, successes and the passing of time against a simple model of the
+    documented rules."""
+
+    HOSTS = ("mx1", "mx2", "mx3")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hosts = HostSuspensions(BASE, MAX)
+        self.now = 0.0
+        self.model: dict[str, tuple[int, float]] = {}  # host -> (streak, until)
+
+    @rule(host=st.sampled_from(HOSTS))
+    def fail(self, host):
+        streak, until = self.model.get(host, (0, 0.0))
+        if self.now >= until:
+            streak = 1 if self.now >= until + MAX else streak + 1
+            until = self.now + min(MAX, BASE * 2 ** (streak - 1))
+        self.model[host] = (streak, until)
+        assert self.hosts.failed(host, self.now) == until
+
+    @rule(host=st.sampled_from(HOSTS))
+    def succeed(self, host):
+        self.model.pop(host, None)
+        self.hosts.succeeded(host)
+
+    @rule(seconds=st.sampled_from([1.0, 30.0, 59.0, 60.0, 61.0, 600.0, MAX, 2 * MAX]))
+    def wait(self, seconds):
+        self.now += seconds
+
+    @precondition(lambda self: any(until > self.now for _, until in self.model.values()))
+    @rule()
+    def wait_for_the_next_release(self):
+        self.now = self.hosts.next_release(
+            [h for h, (_, until) in self.model.items() if until > self.now], self.now
+        )
+
+    @invariant()
+    def agrees_with_the_model(self):
+        expected = {h: until for h, (_, until) in self.model.items() if until > self.now}
+        assert self.hosts.snapshot(self.now) == expected
+        for host in self.HOSTS:
+            assert self.hosts.suspended(host, self.now) == (host in expected)
+        assert self.hosts.available(self.HOSTS, self.now) == [
+            h for h in self.HOSTS if h not in expected
+        ]
+        release = self.hosts.next_release(self.HOSTS, self.now)
+        if len(expected) == len(self.HOSTS):
+            assert release == min(expected.values())
+        else:
+            assert release is None
+
+    @invariant()
+    def suspensions_are_bounded(self):
+        for until in self.hosts.snapshot(self.now).values():
+            assert self.now < until <= self.now + MAX
+
+
+TestSuspensions = Suspensions.TestCase
