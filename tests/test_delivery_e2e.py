@@ -329,3 +329,79 @@ def test_smtputf8_message_to_a_server_without_it_bounces(start_daemon):
     finally:
         plain.stop()
         dns.stop()
+
+
+def test_messages_to_one_server_share_a_connection(world):
+    daemon = world.daemon("delivery.max_per_destination=1")
+    for i in range(5):
+        daemon.send("app@sender.test", [f"r{i}@example.org"], BODY)
+    wait_for(lambda: len(world.mx1.messages) == 5, what="five deliveries")
+    assert world.mx1.transactions == 5
+    assert world.mx1.connections == 1  # one worker kept its connection for the next message
+
+
+def test_all_hosts_suspended_waits_without_charging_attempts(world):
+    world.mx1.refuse_connections()
+    world.mx2.refuse_connections()
+    daemon = world.daemon("delivery.host_suspend=30s")
+    first = daemon.send("app@sender.test", ["a@example.org"], BODY)
+    wait_for(lambda: len(events(daemon, "host_suspended")) == 2, what="both hosts suspended")
+    assert daemon.messages()[first]["recipients"][0]["attempts"] == 1
+    second = daemon.send("app@sender.test", ["b@example.org"], BODY)
+    time.sleep(1.5)
+    rcpt = daemon.messages()[second]["recipients"][0]
+    assert rcpt["attempts"] == 0 and rcpt["state"] == "queued"  # an internal wait
+    assert len(events(daemon, "delivery")) == 1
+
+
+@pytest.mark.parametrize("action", ["discard", "hold"])
+def test_expiry_actions_discard_and_hold(world, action):
+    world.mx1.on("rcpt", "451 4.3.0 later")
+    world.mx2.on("rcpt", "451 4.3.0 later")
+    daemon = world.daemon("classes.p2.lifetime=3s", f"classes.p2.expire_action={action}")
+    queue_id = daemon.send(
+        "app@sender.test", ["bob@example.org"], b"X-Mtaqueue-Class: p2\r\n" + BODY
+    )
+    if action == "discard":
+        wait_for(lambda: not daemon.messages(), what="the discarded message to leave")
+        assert wait_for(lambda: events(daemon, "expired"))[0]["action"] == "discard"
+    else:
+        held = wait_for(lambda: daemon.messages()[queue_id]["held"], what="the message held")
+        assert held and daemon.messages()[queue_id]["recipients"][0]["state"] == "held"
+        attempts = len(events(daemon, "delivery"))
+        time.sleep(3)
+        assert len(events(daemon, "delivery")) == attempts  # held mail is not tried
+    time.sleep(0.5)
+    assert world.home.messages == []  # no DSN for either
+
+
+def test_one_delay_notice_when_asked(world):
+    world.mx1.on("rcpt", "452 4.2.2 mailbox full")
+    world.mx2.on("rcpt", "452 4.2.2 mailbox full")
+    daemon = world.daemon("dsn.delay_after=1s")
+    daemon.send("app@sender.test", ["bob@example.org"], BODY, rcpt_options=["NOTIFY=DELAY,FAILURE"])
+    (notice,) = wait_for(lambda: world.home.messages, timeout=15, what="the delay notice")
+    _, groups = dsn_parts(notice)
+    assert groups[1]["Action"] == "delayed" and groups[1]["Will-Retry-Until"]
+    assert groups[1]["Status"].startswith("4.")
+    time.sleep(5)  # more retries, but only one notice
+    assert len(world.home.messages) == 1
+
+
+def test_starttls_used_when_offered(start_daemon, tmp_path):
+    from smtp_peer import self_signed_context
+
+    dns = DnsServer().start()
+    (secure,) = peers_on_one_port(["127.0.0.5"], starttls=self_signed_context(tmp_path))
+    try:
+        dns.add("tls.test", "MX", "10 mx.tls.test")
+        dns.add("mx.tls.test", "A", "127.0.0.5")
+        daemon = start_daemon(
+            f'dns.nameservers=["{dns.address}"]', f"delivery.port={secure.port}", *FAST
+        )
+        daemon.send("app@sender.test", ["t@tls.test"], BODY)
+        (received,) = wait_for(lambda: secure.messages)
+        assert received.tls
+    finally:
+        secure.stop()
+        dns.stop()

@@ -102,7 +102,7 @@ def settle(
         recipients[result.index] = new
         out.events.append(_event(message, new, result, attempts, now))
 
-    out.message = msgspec.structs.replace(message, recipients=tuple(recipients))
+    out.message = msgspec.structs.replace(out.message, recipients=tuple(recipients))
     statuses = {r.index: r.verdict.status for r in results if r.verdict.status}
     _delay_notices(out, now, settings, statuses)
     return out
@@ -121,7 +121,7 @@ def expire_due(message: Message, now: float, settings: SettleSettings) -> Settle
     for i, rcpt in enumerate(recipients):
         if rcpt.state not in FINAL_STATES:
             recipients[i] = _expire(message, rcpt, "", now, settings, out)
-    out.message = msgspec.structs.replace(message, recipients=tuple(recipients))
+    out.message = msgspec.structs.replace(out.message, recipients=tuple(recipients))
     return out
 
 
@@ -177,7 +177,7 @@ def _delay_notices(
         recipients[i] = msgspec.structs.replace(rcpt, delay_notified=True)
         status = statuses.get(i) or _status_of(rcpt.last_reply) or "4.0.0"
         out.delayed.append(_report(rcpt, "delayed", status, now, retry_until=expires_at))
-    out.message = msgspec.structs.replace(message, recipients=tuple(recipients))
+    out.message = msgspec.structs.replace(out.message, recipients=tuple(recipients))
 
 
 def _report(
