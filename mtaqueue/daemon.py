@@ -136,7 +136,8 @@ class Daemon:
             config.control_socket_path(self.cfg), self.cfg.control.mode, commands
         )
         delivery = self.delivery
-        self.spool.on_commit = delivery.on_accepted
+        if self.cfg.delivery.enabled:
+            self.spool.on_commit = delivery.on_accepted
         try:
             await self.spool.start()
             await listener.start()

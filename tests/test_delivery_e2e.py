@@ -405,3 +405,29 @@ def test_starttls_used_when_offered(start_daemon, tmp_path):
     finally:
         secure.stop()
         dns.stop()
+
+
+def test_failed_tls_handshake_falls_back_to_clear_text(start_daemon, tmp_path):
+    import ssl
+
+    from smtp_peer import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    picky = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    picky.load_cert_chain(cert, key)
+    picky.verify_mode = ssl.CERT_REQUIRED  # wants a client certificate: our handshake fails
+    picky.load_verify_locations(cert)
+    dns = DnsServer().start()
+    (peer,) = peers_on_one_port(["127.0.0.6"], starttls=picky)
+    try:
+        dns.add("picky.test", "MX", "10 mx.picky.test")
+        dns.add("mx.picky.test", "A", "127.0.0.6")
+        daemon = start_daemon(
+            f'dns.nameservers=["{dns.address}"]', f"delivery.port={peer.port}", *FAST
+        )
+        daemon.send("app@sender.test", ["p@picky.test"], BODY)
+        (received,) = wait_for(lambda: peer.messages, what="delivery in clear text")
+        assert not received.tls and peer.connections == 2
+    finally:
+        peer.stop()
+        dns.stop()

@@ -100,12 +100,7 @@ class SmtpConnection:
             conn.banner = greeting.message
             await conn._hello(t.ehlo)
             if settings.tls != "off" and use_tls and client.supports_extension("starttls"):
-                await _step(
-                    "starttls",
-                    client.starttls(tls_context=_TLS, server_hostname=host, timeout=t.starttls),
-                )
-                conn.tls = True
-                await conn._hello(t.ehlo)
+                await conn._start_tls(t)
         except ConnectFailed:
             conn.abort()
             raise
@@ -115,6 +110,33 @@ class SmtpConnection:
                 Reply("starttls", 0, "4.7.10", f"{host} does not offer TLS", network="tls")
             )
         return conn
+
+    async def _start_tls(self, t: TimeoutsConfig) -> None:
+        """STARTTLS and the EHLO over TLS; any failure in between is a "starttls" failure.
+
+        (With TLS 1.3 a server that rejects the handshake may only say so at our next
+        read, the EHLO: the caller's clear-text fallback must see it as a TLS problem.)
+        """
+        try:
+            await _step(
+                "starttls",
+                self.client.starttls(
+                    tls_context=_TLS, server_hostname=self.host, timeout=t.starttls
+                ),
+            )
+            self.tls = True
+            await self._hello(t.ehlo)
+        except ConnectFailed as failed:
+            reply = failed.reply
+            raise ConnectFailed(
+                Reply(
+                    "starttls",
+                    reply.code,
+                    reply.enhanced,
+                    f"TLS session failed: {reply.text}",
+                    network="tls" if reply.network else "",
+                )
+            ) from None
 
     async def _hello(self, timeout: float) -> None:
         try:
