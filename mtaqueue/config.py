@@ -212,8 +212,6 @@ class DeliveryConfig(_Table):
     relayhost: str = ""  # "" = MX lookup per domain; else a next hop, see split_host_port()
     helo_name: str = ""  # "" = listen.hostname
     max_connections: Annotated[int, msgspec.Meta(ge=1)] = 100
-    max_per_destination: Annotated[int, msgspec.Meta(ge=1)] = 10
-    max_messages_per_connection: Annotated[int, msgspec.Meta(ge=1)] = 100
     max_recipients_per_transaction: Annotated[int, msgspec.Meta(ge=1)] = 100
     connection_idle: Duration = _d("5s")  # keep a connection this long for the next message
     max_addresses: Annotated[int, msgspec.Meta(ge=1)] = 5  # addresses tried per attempt
@@ -224,6 +222,67 @@ class DeliveryConfig(_Table):
     host_suspend_max: Duration = _d("1h")
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     rules: list[ReplyRule] = []
+    max_rate: str = ""  # over all destinations, e.g. "100/min"; "" = no cap
+
+
+class Pacing(_Table):
+    """Limits of one destination; each key of a [[shaping.destinations]] entry overrides one."""
+
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 10
+    initial_connections: Annotated[int, msgspec.Meta(ge=1)] = 2  # adaptive: start here
+    messages_per_connection: Annotated[int, msgspec.Meta(ge=1)] = 100
+    messages_per_minute: Annotated[float, msgspec.Meta(ge=0)] = 0  # 0 = no limit
+    connections_per_minute: Annotated[float, msgspec.Meta(ge=0)] = 0  # 0 = no limit
+    burst: Annotated[int, msgspec.Meta(ge=1)] = 5  # token bucket size for both rates
+    reserved_p0: Annotated[int, msgspec.Meta(ge=0)] = 1  # slots only the first class may use
+
+
+class DestinationRule(_Table):
+    """Pacing for destinations matched by recipient domain or by MX host name suffix.
+
+    A key left out keeps the value of shaping.default (see `pacing_for`)."""
+
+    domain: str = ""  # e.g. "gmail.com"
+    mx_suffix: str = ""  # e.g. ".google.com"
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    initial_connections: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    messages_per_connection: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    messages_per_minute: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    connections_per_minute: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    burst: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    reserved_p0: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+    def over(self, base: Pacing) -> Pacing:
+        """`base` with this rule's keys applied."""
+        given = {
+            f: getattr(self, f) for f in Pacing.__struct_fields__ if getattr(self, f) is not None
+        }
+        return msgspec.structs.replace(base, **given)
+
+
+class ThrottleRule(_Table):
+    """A reply pattern that, `threshold` times within `window`, puts a destination in backoff."""
+
+    match: str  # regex searched in "CODE ENHANCED TEXT"
+    threshold: Annotated[int, msgspec.Meta(ge=1)] = 1
+    window: Duration = _d("1h")
+
+
+class ShapingConfig(_Table):
+    group_by: Literal["mx", "domain"] = "mx"  # destination = the MX host set, or the domain
+    default: Pacing = msgspec.field(default_factory=Pacing)
+    destinations: list[DestinationRule] = []
+    latency_factor: Annotated[float, msgspec.Meta(gt=1)] = 3.0  # silent throttling detection
+    backoff_duration: Duration = _d("15m")
+    backoff_rate_factor: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    backoff_retry_factor: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    backoff_successes: Annotated[int, msgspec.Meta(ge=1)] = 50  # a run that steps back a stage
+    breaker_failures: Annotated[int, msgspec.Meta(ge=1)] = 5
+    breaker_window: Duration = _d("1m")
+    breaker_cooldown: Duration = _d("30s")
+    breaker_cooldown_max: Duration = _d("30m")
+    release_spread: Duration = _d("30s")  # waiting mail after a reopening, spread over this
+    throttle_rules: list[ThrottleRule] = []
 
 
 class DsnConfig(_Table):
@@ -275,6 +334,7 @@ class Config(_Table):
     delivery: DeliveryConfig = msgspec.field(default_factory=DeliveryConfig)
     routes: dict[str, str] = {}  # lower-cased domain -> next hop
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
+    shaping: ShapingConfig = msgspec.field(default_factory=ShapingConfig)
     dsn: DsnConfig = msgspec.field(default_factory=DsnConfig)
     suppression: SuppressionConfig = msgspec.field(default_factory=SuppressionConfig)
     classes: dict[str, ClassConfig] = msgspec.field(default_factory=lambda: dict(DEFAULT_CLASSES))
@@ -325,6 +385,27 @@ def split_host_port(
     if _PORT_RE.fullmatch(port) is None or not min_port <= int(port) <= 65535:
         raise ValueError(f"invalid port in {text!r}")
     return host, int(port)
+
+
+_RATE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|m|min|h|hour|d|day)\s*")
+_RATE_UNITS = {
+    "s": 1,
+    "sec": 1,
+    "m": 60,
+    "min": 60,
+    "h": 3600,
+    "hour": 3600,
+    "d": 86400,
+    "day": 86400,
+}
+
+
+def parse_rate(text: str) -> float:
+    """Events per second from "100/min", "5/s", "2000/h"."""
+    match = _RATE_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"invalid rate {text!r} (use e.g. 100/min, 5/s, 2000/h)")
+    return float(match[1]) / _RATE_UNITS[match[2]]
 
 
 def parse_nameserver(text: str) -> tuple[str, int]:
@@ -448,6 +529,16 @@ def _validate(cfg: Config) -> None:
             re.compile(rule.match)
         except re.error as exc:
             raise ConfigError(f"delivery.rules[{i}].match: invalid regex: {exc}") from None
+    if cfg.delivery.max_rate:
+        _check("delivery.max_rate", parse_rate, cfg.delivery.max_rate)
+    for i, rule in enumerate(cfg.shaping.destinations):
+        if bool(rule.domain) == bool(rule.mx_suffix):
+            raise ConfigError(f"shaping.destinations[{i}]: give exactly one of domain, mx_suffix")
+    for i, rule in enumerate(cfg.shaping.throttle_rules):
+        try:
+            re.compile(rule.match)
+        except re.error as exc:
+            raise ConfigError(f"shaping.throttle_rules[{i}].match: invalid regex: {exc}") from None
     if cfg.dsn.klass not in cfg.classes:
         raise ConfigError(f"dsn.class: unknown class {cfg.dsn.klass!r}")
     if len(retry.then) != 2:

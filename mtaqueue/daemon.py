@@ -25,6 +25,7 @@ import uvloop
 
 from . import __version__, config
 from .control.commands import queue_commands
+from .control.operations import operation_commands
 from .control.server import ControlServer
 from .control.suppression import suppression_commands
 from .delivery.manager import DeliveryManager
@@ -132,6 +133,7 @@ class Daemon:
         )
         commands = queue_commands(self.spool.messages.values, self.spool.messages.get, self.info)
         commands |= suppression_commands(self.spool, self.cfg.suppression.ttl)
+        commands |= operation_commands(self.delivery, self.spool.messages.values)
         control = ControlServer(
             config.control_socket_path(self.cfg), self.cfg.control.mode, commands
         )

@@ -14,23 +14,10 @@ import time
 
 import pytest
 from dns_server import DnsServer
+from e2e_helpers import BODY, FAST, events, wait_for
 from smtp_peer import peers_on_one_port
 
 from mtaqueue.smtp.addresses import xtext_decode
-
-FAST = (
-    "delivery.enabled=true",
-    'retry.schedule=["2s", "4s"]',
-    'retry.then=["6s", "8s"]',
-    "retry.jitter=0.05",
-    "retry.greylist_min=2s",
-    "retry.restart_spread=0.5s",
-    "delivery.host_suspend=3s",
-    "delivery.timeouts.connect=2s",
-    "delivery.timeouts.banner=3s",
-    "dns.timeout=1s",
-)
-BODY = b"Subject: hello\r\nFrom: app@sender.test\r\n\r\nhello world\r\n"
 
 
 class World:
@@ -66,20 +53,6 @@ def world(start_daemon):
     w = World(start_daemon)
     yield w
     w.close()
-
-
-def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def events(daemon, name: str) -> list[dict]:
-    return [e for e in daemon.events if e.get("event") == name]
 
 
 def dsn_parts(received) -> tuple[email.message.Message, list]:
@@ -332,7 +305,11 @@ def test_smtputf8_message_to_a_server_without_it_bounces(start_daemon):
 
 
 def test_messages_to_one_server_share_a_connection(world):
-    daemon = world.daemon("delivery.max_per_destination=1")
+    daemon = world.daemon(
+        "shaping.default.max_connections=1",
+        "shaping.default.initial_connections=1",
+        "shaping.default.reserved_p0=0",
+    )
     for i in range(5):
         daemon.send("app@sender.test", [f"r{i}@example.org"], BODY)
     wait_for(lambda: len(world.mx1.messages) == 5, what="five deliveries")

@@ -192,10 +192,109 @@ def _suppress_show(reply: Reply, out: TextIO) -> None:
             out.write(f"{entry['address']:<40} until {_time(entry['until'])}  {entry['reason']}\n")
 
 
+def _select_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ids", nargs="*", metavar="ID", help="queue ids")
+    parser.add_argument("--domain", help="messages with a recipient in this domain")
+    parser.add_argument("--class", dest="klass", metavar="CLASS")
+    parser.add_argument("--tenant")
+    parser.add_argument("--all", action="store_true", help="every message")
+
+
+def _select_request(command: str) -> Callable[[argparse.Namespace], tuple[str, dict[str, Any]]]:
+    def request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+        selection = {
+            "ids": args.ids or None,
+            "domain": args.domain,
+            "class": args.klass,
+            "tenant": args.tenant,
+            "all": args.all,
+        }
+        return command, selection
+
+    return request
+
+
+def _count_show(reply: Reply, out: TextIO) -> None:
+    for result in reply:
+        for verb, count in result.items():
+            out.write(f"{verb} {count} message{'s' if count != 1 else ''}\n")
+
+
+def _domains_show(reply: Reply, out: TextIO) -> None:
+    for d in reply:
+        queued = ", ".join(f"{k} {v}" for k, v in d.get("queued", {}).items()) or "empty"
+        out.write(f"{d['destination']}  ({', '.join(d.get('domains', []))})\n")
+        out.write(f"  queued      {queued}\n")
+        out.write(f"  connections {d.get('active')} active / limit {d.get('limit')}\n")
+        out.write(f"  mode        {d.get('mode')}   circuit {d.get('circuit')}\n")
+        out.write(f"  4xx rate    {d.get('deferral_rate')}\n")
+        for line in d.get("last_replies", []):
+            out.write(f"  last        {line}\n")
+
+
+def _domains_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "domains", {}
+
+
+def _limit_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--domain", required=True, help="a domain or a destination name")
+    parser.add_argument("--rate", help="messages per minute, or e.g. 100/min, 5/s")
+    parser.add_argument("--concurrency", type=int)
+    parser.add_argument("--for", dest="ttl", metavar="DURATION", help="until restart if left out")
+
+
+def _limit_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "limit", {
+        "domain": args.domain,
+        "rate": args.rate,
+        "concurrency": args.concurrency,
+        "for": args.ttl,
+    }
+
+
+def _backoff_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--domain", required=True, help="a domain or a destination name")
+    parser.add_argument("--for", dest="ttl", metavar="DURATION", default="15m")
+
+
+def _backoff_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "backoff", {"domain": args.domain, "for": args.ttl}
+
+
+def _steer_show(reply: Reply, out: TextIO) -> None:
+    for result in reply:
+        until = f" until {_time(result['until'])}" if result.get("until") else ""
+        out.write(f"applied to {result['destinations']} destination(s){until}\n")
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "status": Subcommand("counts and daemon info", _no_options, _status_request, _status_show),
     "list": Subcommand("one entry per queued message", _list_options, _list_request, _list_show),
     "show": Subcommand("every field of one message", _show_options, _show_request, _show_show),
+    "hold": Subcommand(
+        "keep messages from delivery (and expiry)",
+        _select_options,
+        _select_request("hold"),
+        _count_show,
+    ),
+    "release": Subcommand(
+        "resume held messages", _select_options, _select_request("release"), _count_show
+    ),
+    "flush": Subcommand(
+        "make deferred messages due now (pacing still applies)",
+        _select_options,
+        _select_request("flush"),
+        _count_show,
+    ),
+    "domains": Subcommand(
+        "state of each destination", _no_options, _domains_request, _domains_show
+    ),
+    "limit": Subcommand(
+        "runtime rate/concurrency for a destination", _limit_options, _limit_request, _steer_show
+    ),
+    "backoff": Subcommand(
+        "put a destination in backoff mode", _backoff_options, _backoff_request, _steer_show
+    ),
     "suppress": Subcommand(
         "the suppression list (list, add, remove)",
         _suppress_options,

@@ -23,6 +23,8 @@ class Filters(msgspec.Struct, forbid_unknown_fields=True, rename={"klass": "clas
     domain: str | None = None  # some recipient's domain, case-insensitive
     sender: str | None = None  # case-insensitive; "" or "<>" is the null sender
     held: bool | None = None
+    tenant: str | None = None
+    ids: list[str] | None = None  # any of these queue ids
 
 
 def recipient_state(msg: Message, rcpt: Recipient) -> str:
@@ -80,7 +82,11 @@ def status_json(messages: Iterable[Message], extra: dict[str, Any]) -> dict[str,
 
 
 def matches(msg: Message, filters: Filters) -> bool:
+    if filters.ids is not None and msg.id not in filters.ids:
+        return False
     if filters.klass is not None and msg.klass != filters.klass:
+        return False
+    if filters.tenant is not None and msg.tenant != filters.tenant:
         return False
     if filters.held is not None and msg.held != filters.held:
         return False

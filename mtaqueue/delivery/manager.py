@@ -1,12 +1,12 @@
-"""The queue manager: when each message is due, and who delivers it.
+"""The queue manager: when each message is due, and who delivers it, how fast.
 
-Data path: a due message's pending recipients are grouped by next hop into work
-items; each destination (next hop) has ready queues, one per class priority, and
-up to `delivery.max_per_destination` workers. A worker keeps its connection open
-for the next item to the same server (up to `max_messages_per_connection`, idle
-`connection_idle`). An attempt's replies go through the pure policy (classify,
-settle) and the results back to the spool (journal), the log, DSNs and the
-suppression list.
+Data path: a due message's pending recipients are grouped by next hop, routed
+(MX lookup), and queued as work items in their destination (the MX host set).
+A destination's queue is fair (policy/fairness.py: the first class first, the
+others by weight, tenants fairly) and its shaper (policy/shaper.py) decides when
+a new connection may open and a message may start: concurrency, rates, backoff
+mode, circuit breaker. Mail that waits for pacing is not charged an attempt.
+Each worker owns one connection and takes the next item when it is done.
 """
 
 from __future__ import annotations
@@ -15,62 +15,37 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import math
 import random
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
+import msgspec
 import structlog
 
 from .. import config
 from ..dsn import build_dsn, is_8bit
 from ..model import DEFERRED, QUEUED, Message, Recipient
 from ..policy.backoff import RetryPolicy, restart_due
+from ..policy.buckets import TokenBucket
 from ..policy.classify import classify, compile_rules
 from ..policy.hosts import HostSuspensions
 from ..policy.replies import Reply
 from ..policy.settle import Result, Settlement, SettleSettings, expire_due, settle
+from ..policy.shaper import DestinationShaper, pacing_for
 from ..routing.nexthop import NextHop, next_hop
-from ..routing.resolver import Resolver, Route, RouteFailure
+from ..routing.resolver import Resolver, RouteFailure
 from ..smtp.addresses import domain_of
-from ..smtp.client import ClientSettings, ConnectFailed, SmtpConnection
+from ..smtp.client import ClientSettings, SmtpConnection
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool
+from .destination import Destination, WorkItem, destination_key
+from .sender import Sender
 
 log = structlog.get_logger("delivery")
 
 EXPIRY_CHECK = 30.0  # seconds between sweeps for mail whose lifetime has passed
 PENDING = (QUEUED, DEFERRED)
-
-
-@dataclass(slots=True)
-class WorkItem:
-    message_id: str
-    hop: NextHop
-    indexes: list[int]
-
-
-@dataclass(slots=True)
-class Destination:
-    hop: NextHop
-    ready: dict[int, deque[WorkItem]] = field(default_factory=dict)  # priority -> items
-    workers: int = 0
-    idle: int = 0  # workers holding an open connection, waiting for the next item
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def push(self, priority: int, item: WorkItem) -> None:
-        self.ready.setdefault(priority, deque()).append(item)
-        self.arrived.set()
-
-    def pop(self) -> WorkItem | None:
-        for priority in sorted(self.ready):
-            queue = self.ready[priority]
-            if queue:
-                return queue.popleft()
-        return None
-
-    def __len__(self) -> int:
-        return sum(map(len, self.ready.values()))
 
 
 class DeliveryManager:
@@ -88,9 +63,9 @@ class DeliveryManager:
         self.hostname = hostname
         self.rng = rng or random.Random()
         d = cfg.delivery
-        self.client = ClientSettings(d.helo_name or hostname, d.timeouts, d.tls)
-        self.rules = compile_rules(d.rules)
+        client = ClientSettings(d.helo_name or hostname, d.timeouts, d.tls)
         self.hosts = HostSuspensions(d.host_suspend, d.host_suspend_max)
+        self.sender = Sender(client, compile_rules(d.rules), self.hosts, d)
         retry = RetryPolicy.from_config(cfg.retry)
         self.settle_settings = {
             name: SettleSettings(
@@ -102,26 +77,32 @@ class DeliveryManager:
             )
             for name, c in cfg.classes.items()
         }
-        self.priority = {name: c.priority for name, c in cfg.classes.items()}
-        self.destinations: dict[NextHop, Destination] = {}
+        self.classes = {name: (c.priority, c.weight) for name, c in cfg.classes.items()}
+        self.first_class = min(self.classes, key=lambda n: (self.classes[n][0], n))
+        now = time.time()
+        self.rate = TokenBucket(config.parse_rate(d.max_rate), 1, now) if d.max_rate else None
+        self.destinations: dict[str, Destination] = {}
         self.active_workers = 0
+        self._overrides: dict[str, Callable[[DestinationShaper, float], None]] = {}
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
-        self._inflight: dict[str, set[int]] = {}  # message id -> recipients being attempted
+        self._busy: dict[str, set[int]] = {}  # message id -> recipients routed/queued/in transit
         self._wake = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Future] = set()
         self._closing = False
 
     # -- life ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Schedule the queue (overdue mail spread over retry.restart_spread) and run."""
+        """Schedule the queue and run. Due times survive restarts; mail that became due
+        meanwhile is spread over retry.restart_spread, except the first class (p0)."""
         now = time.time()
         spread = self.cfg.retry.restart_spread
         for message in self.spool.messages.values():
             due = _earliest_due(message)
             if due is not None:
-                self._schedule(message.id, restart_due(due, now, spread, self.rng))
+                window = 0.0 if message.klass == self.first_class else spread
+                self._schedule(message.id, restart_due(due, now, window, self.rng))
         self._spawn(self._timer())
         self._spawn(self._expiry_sweep())
 
@@ -163,13 +144,25 @@ class DeliveryManager:
     async def _expiry_sweep(self) -> None:
         while not self._closing:
             await asyncio.sleep(EXPIRY_CHECK)
-            now = time.time()
-            for message in list(self.spool.messages.values()):
-                if self._inflight.get(message.id):
-                    continue
-                settlement = expire_due(message, now, self.settle_settings[message.klass])
-                if settlement is not None:
-                    self._apply(settlement, now)
+            self.expire(time.time())
+
+    def expire(self, now: float) -> None:
+        """Expire mail whose lifetime has passed, whatever it waits for (pacing included)."""
+        due = {
+            m.id
+            for m in self.spool.messages.values()
+            if expire_due(m, now, self.settle_settings[m.klass]) is not None
+        }
+        if not due:
+            return
+        self._unqueue(lambda item: item.message_id in due)
+        for message_id in due:
+            message = self.spool.messages.get(message_id)
+            if message is None or self._busy.get(message_id):
+                continue  # in transit: the next sweep
+            settlement = expire_due(message, now, self.settle_settings[message.klass])
+            if settlement is not None:
+                self._apply(settlement, now)
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -177,7 +170,7 @@ class DeliveryManager:
         message = self.spool.messages.get(message_id)
         if message is None or message.held or self._closing:
             return
-        busy = self._inflight.setdefault(message_id, set())
+        busy = self._busy.setdefault(message_id, set())
         groups: dict[NextHop, list[int]] = {}
         d = self.cfg.delivery
         for i, rcpt in enumerate(message.recipients):
@@ -185,201 +178,191 @@ class DeliveryManager:
                 hop = next_hop(domain_of(rcpt.address), d.relayhost, self.cfg.routes, d.port)
                 groups.setdefault(hop, []).append(i)
         if not groups and not busy:
-            del self._inflight[message_id]
+            del self._busy[message_id]
             return
-        priority = self.priority.get(message.klass, 1)
-        size = d.max_recipients_per_transaction
         for hop, indexes in groups.items():
             busy.update(indexes)
-            destination = self.destinations.get(hop)
-            if destination is None:
-                destination = self.destinations[hop] = Destination(hop)
-            for start in range(0, len(indexes), size):
-                destination.push(priority, WorkItem(message_id, hop, indexes[start : start + size]))
-            self._staff(destination)
+            self._spawn(self._route(message, hop, indexes))
 
-    def _staff(self, destination: Destination) -> None:
-        d = self.cfg.delivery
-        while (
-            len(destination) > destination.idle
-            and destination.workers < d.max_per_destination
-            and self.active_workers < d.max_connections
-        ):
-            destination.workers += 1
+    async def _route(self, message: Message, hop: NextHop, indexes: list[int]) -> None:
+        route = await self.resolver.route(hop)
+        if isinstance(route, RouteFailure):
+            reply = Reply("dns", 0, route.status, route.text, network="dns")
+            results = [self.sender.result(i, reply, None, None) for i in indexes]
+            self._finish(message.id, indexes, results)
+            return
+        now = time.time()
+        domain = domain_of(message.recipients[indexes[0]].address)
+        key = destination_key(domain, route, self.cfg.shaping.group_by)
+        destination = self.destinations.get(key)
+        if destination is None:
+            destination = self._new_destination(key, domain, route, now)
+        destination.domains.add(domain)
+        size = self.cfg.delivery.max_recipients_per_transaction
+        for start in range(0, len(indexes), size):
+            item = WorkItem(message.id, indexes[start : start + size], route, message.klass)
+            destination.queue.push(item, message.klass, message.tenant)
+        destination.arrived.set()
+        self._pump(destination)
+
+    def _new_destination(self, key: str, domain: str, route, now: float) -> Destination:
+        shaping = self.cfg.shaping
+        pacing = pacing_for(shaping, domain, [h.name for h in route.hosts])
+        shaper = DestinationShaper(pacing, shaping, now)
+        destination = Destination(key, pacing, shaper, self.classes)
+        for name in (key, domain):
+            if name in self._overrides:
+                self._overrides[name](destination.shaper, now)
+        self.destinations[key] = destination
+        return destination
+
+    def _pump(self, destination: Destination) -> None:
+        """Open connections while the destination has waiting mail and its shaper allows."""
+        if destination.pump_at is not None:
+            destination.pump_at.cancel()
+            destination.pump_at = None
+        shaper = destination.shaper
+        while len(destination.queue) > destination.idle and not self._closing:
+            if self.active_workers >= self.cfg.delivery.max_connections:
+                return  # a finishing worker calls _restaff
+            now = time.time()
+            wait = shaper.connect_wait(now, destination.active, first_class=False)
+            reserved = False
+            if wait > 0 and destination.queue.first_class_waiting():
+                reserved_wait = shaper.connect_wait(now, destination.active, first_class=True)
+                reserved, wait = reserved_wait == 0, min(wait, reserved_wait)
+            if wait > 0:
+                if wait != math.inf:
+                    loop = asyncio.get_running_loop()
+                    destination.pump_at = loop.call_later(wait, self._pump, destination)
+                return
+            shaper.connected(now)
+            destination.active += 1
             self.active_workers += 1
-            self._spawn(self._worker(destination))
-
-    async def _worker(self, destination: Destination) -> None:
-        conn: SmtpConnection | None = None
-        try:
-            while not self._closing:
-                item = destination.pop()
-                if item is None:
-                    if conn is None:
-                        break
-                    destination.arrived.clear()
-                    destination.idle += 1
-                    try:
-                        await asyncio.wait_for(
-                            destination.arrived.wait(), self.cfg.delivery.connection_idle
-                        )
-                    except TimeoutError:
-                        break
-                    finally:
-                        destination.idle -= 1
-                    continue
-                conn = await self._attempt(item, conn)
-        finally:
-            if conn is not None:
-                await conn.quit()
-            destination.workers -= 1
-            self.active_workers -= 1
-            if not destination.workers and not len(destination):
-                self.destinations.pop(destination.hop, None)
-            self._restaff()
+            self._spawn(self._worker(destination, reserved))
 
     def _restaff(self) -> None:
         """A connection slot came free: give it to a destination with waiting mail."""
         for destination in list(self.destinations.values()):
-            if len(destination):
-                self._staff(destination)
+            if len(destination.queue) > destination.idle:
+                self._pump(destination)
+
+    async def _worker(self, destination: Destination, reserved: bool) -> None:
+        conn: SmtpConnection | None = None
+        try:
+            while not self._closing:
+                item = destination.queue.pop(first_class_only=reserved)
+                if item is None:
+                    if conn is None or not await self._idle(destination):
+                        break
+                    continue
+                await self._paced(destination)
+                conn = await self._attempt(destination, item, conn)
+                if destination.active > destination.shaper.concurrency.limit:
+                    break  # over the (lowered) concurrency limit: this connection goes
+        finally:
+            if conn is not None:
+                await conn.quit()
+            destination.active -= 1
+            self.active_workers -= 1
+            self._retire(destination)
+            self._restaff()
+
+    async def _idle(self, destination: Destination) -> bool:
+        """Keep the connection a moment for more mail; False when none came."""
+        destination.arrived.clear()
+        destination.idle += 1
+        try:
+            await asyncio.wait_for(destination.arrived.wait(), self.cfg.delivery.connection_idle)
+        except TimeoutError:
+            return False
+        finally:
+            destination.idle -= 1
+        return True
+
+    async def _paced(self, destination: Destination) -> None:
+        """Wait for the destination's and the global message rates (not an attempt)."""
+        while True:
+            now = time.time()
+            wait = destination.shaper.send_wait(now)
+            if self.rate is not None:
+                wait = max(wait, self.rate.wait(now))
+            if wait <= 0:
+                destination.shaper.sent(now)
+                if self.rate is not None:
+                    self.rate.take(now)
+                return
+            await asyncio.sleep(wait)
+
+    def _retire(self, destination: Destination) -> None:
+        """Forget a destination with nothing to do and nothing to remember."""
+        snapshot = destination.shaper.snapshot(time.time())
+        if (
+            not destination.active
+            and not len(destination.queue)
+            and snapshot.get("mode") == "normal"
+            and snapshot.get("circuit") == "closed"
+            and not snapshot.get("override")
+        ):
+            self.destinations.pop(destination.key, None)
 
     # -- one attempt --------------------------------------------------------------------
 
-    async def _attempt(self, item: WorkItem, conn: SmtpConnection | None) -> SmtpConnection | None:
+    async def _attempt(
+        self, destination: Destination, item: WorkItem, conn: SmtpConnection | None
+    ) -> SmtpConnection | None:
         message = self.spool.messages.get(item.message_id)
-        busy = self._inflight.get(item.message_id, set())
         if message is None or message.held:
-            busy.difference_update(item.indexes)
-            return conn
-        route = await self.resolver.route(item.hop)
-        if isinstance(route, RouteFailure):
-            reply = Reply("dns", 0, route.status, route.text, network="dns")
-            results = [self._result(i, reply, None, None) for i in item.indexes]
-            self._finish(item, results)
+            self._unbusy(item.message_id, item.indexes)
             return conn
         try:
             content = self.spool.content(item.message_id)  # small, in the page cache
         except (OSError, CorruptMessageFile) as exc:
             log.error("message_unreadable", id=item.message_id, error=str(exc))
-            busy.difference_update(item.indexes)
+            self._unbusy(item.message_id, item.indexes)
             self.spool.remove(item.message_id, f"unreadable: {exc}")
             return conn
-        results, conn, waited_until = await self._send(message, item, route, content, conn)
-        if waited_until is not None:
+        shaper = destination.shaper
+        per_connection = destination.pacing.messages_per_connection
+        outcome = await self.sender.send(
+            message, item.indexes, item.route, content, conn, per_connection
+        )
+        now = time.time()
+        for _ in range(outcome.connect_failures):
+            shaper.connect_failed(now)
+        if outcome.latency is not None:
+            shaper.latency(now, outcome.latency)
+        if outcome.wait_until is not None:
             # Every host is suspended: an internal wait, not an attempt. Nothing is charged.
-            busy.difference_update(item.indexes)
-            self._schedule(item.message_id, waited_until)
-            return conn
-        self._finish(item, results)
-        return conn
-
-    async def _send(
-        self,
-        message: Message,
-        item: WorkItem,
-        route: Route,
-        content: bytes,
-        conn: SmtpConnection | None,
-    ) -> tuple[list[Result], SmtpConnection | None, float | None]:
-        """Try the route's hosts in order until one takes the transaction."""
-        now = time.time()
-        d = self.cfg.delivery
-        hosts = [h for h in route.hosts if not self.hosts.suspended(h.name, now)]
-        if not hosts:
-            release = self.hosts.next_release([h.name for h in route.hosts], now)
-            return [], conn, release or now + d.host_suspend
-        if conn is not None and not (
-            conn.usable
-            and conn.transactions < d.max_messages_per_connection
-            and any(conn.ip in h.addresses for h in hosts)
-        ):
-            await conn.quit()
-            conn = None
-        last: Reply | None = None
-        last_host = None
-        candidates = [(h, ip) for h in hosts for ip in h.addresses]
-        if conn is not None:  # the open connection first
-            candidates.sort(key=lambda c: c[1] != conn.ip)
-        for host, ip in candidates:
-            if conn is None or conn.ip != ip:
-                if conn is not None:
-                    await conn.quit()
-                conn = await self._connect(host.name, ip, route.port)
-                if isinstance(conn, Reply):
-                    last, last_host, conn = conn, host.name, None
-                    continue
-            results = await self._transaction(conn, message, item.indexes, content)
-            self.hosts.succeeded(host.name)
-            if not conn.usable:
-                await conn.quit()
-                conn = None
-            return results, conn, None
-        assert last is not None
-        return [self._result(i, last, last_host, None) for i in item.indexes], None, None
-
-    async def _connect(self, host: str, ip: str, port: int) -> SmtpConnection | Reply:
-        now = time.time()
-        try:
-            return await SmtpConnection.open(host, ip, port, self.client)
-        except ConnectFailed as failed:
-            if failed.reply.phase == "starttls" and self.client.tls == "opportunistic":
-                try:  # opportunistic TLS: a broken handshake falls back to clear text
-                    return await SmtpConnection.open(host, ip, port, self.client, use_tls=False)
-                except ConnectFailed as again:
-                    failed = again
-            verdict = classify(failed.reply, self.rules)
-            if verdict.scope in ("host", "destination"):
-                until = self.hosts.failed(host, now)
-                log.warning(
-                    "host_suspended", host=host, ip=ip, until=until, reply=failed.reply.line()
-                )
-            return failed.reply
-
-    async def _transaction(
-        self, conn: SmtpConnection, message: Message, indexes: list[int], content: bytes
-    ) -> list[Result]:
-        """Send to these recipients; those refused as "too many" go in further transactions
-        on the same connection (RFC 5321 4.5.3.1.10), as long as each one makes progress."""
-        results: list[Result] = []
-        pending = list(indexes)
-        while pending:
-            rcpts = [message.recipients[i] for i in pending]
-            replies = await conn.send(message, rcpts, content, self.cfg.delivery.timeouts)
-            outcomes = [
-                self._result(i, reply, conn.host, conn.ip, relayed=not conn.dsn)
-                for i, reply in zip(pending, replies, strict=True)
-            ]
-            again = [r.index for r in outcomes if r.verdict.kind == "too_many_recipients"]
-            if not again or len(again) == len(pending) or not conn.usable:
-                return results + outcomes
-            results += [r for r in outcomes if r.verdict.kind != "too_many_recipients"]
-            pending = again
-        return results
-
-    def _result(
-        self,
-        index: int,
-        reply: Reply,
-        host: str | None,
-        ip: str | None,
-        *,
-        relayed: bool = False,
-    ) -> Result:
-        verdict = classify(reply, self.rules, ambiguous_policy=self.cfg.delivery.ambiguous)
-        return Result(index, reply, verdict, host, ip, dsn_relayed=relayed)
+            self._unbusy(item.message_id, item.indexes)
+            self._schedule(item.message_id, outcome.wait_until)
+            return outcome.conn
+        # One signal per reply, not per recipient: a 421 after DATA for 50 recipients is
+        # one throttle signal, not fifty.
+        for result in {id(r.reply): r for r in outcome.results}.values():
+            shaper.result(now, result.reply, result.verdict)
+            destination.record(now, result.reply)
+        self._finish(item.message_id, item.indexes, outcome.results, shaper.retry_factor(now))
+        return outcome.conn
 
     # -- after an attempt -----------------------------------------------------------------
 
-    def _finish(self, item: WorkItem, results: list[Result]) -> None:
-        busy = self._inflight.get(item.message_id, set())
-        busy.difference_update(item.indexes)
-        message = self.spool.messages.get(item.message_id)
+    def _finish(
+        self, message_id: str, indexes: list[int], results: list[Result], retry_factor=1.0
+    ) -> None:
+        self._unbusy(message_id, indexes)
+        message = self.spool.messages.get(message_id)
         if message is None:
             return
         now = time.time()
-        settlement = settle(message, results, now, self.rng, self.settle_settings[message.klass])
+        settings = self.settle_settings[message.klass]
+        settlement = settle(message, results, now, self.rng, settings, retry_factor=retry_factor)
         self._apply(settlement, now)
+
+    def _unbusy(self, message_id: str, indexes: list[int]) -> None:
+        busy = self._busy.get(message_id)
+        if busy is not None:
+            busy.difference_update(indexes)
 
     def _apply(self, settlement: Settlement, now: float) -> None:
         message = settlement.message
@@ -397,9 +380,8 @@ class DeliveryManager:
             for address, reason in settlement.suppress:
                 self.spool.suppress(address, now + self.cfg.suppression.ttl, reason)
                 log.info("suppressed", address=address, reason=reason)
-        busy = self._inflight.get(message.id)
-        if settlement.finished and not busy:
-            self._inflight.pop(message.id, None)
+        if settlement.finished and not self._busy.get(message.id):
+            self._busy.pop(message.id, None)
             self.spool.remove(message.id, "done")
             return
         self.spool.update(message)
@@ -438,6 +420,91 @@ class DeliveryManager:
         )
         self.spool.accept(notice, content)
         log.info("dsn_queued", id=dsn_id, kind=kind, about=message.id, to=message.sender)
+
+    # -- operations (mtaqueue-ctl) --------------------------------------------------------
+
+    def hold(self, messages: list[Message]) -> int:
+        """Held mail is not attempted and does not expire until released."""
+        ids = {m.id for m in messages if not m.held}
+        self._unqueue(lambda item: item.message_id in ids)
+        for message_id in ids:
+            self.spool.update(msgspec.structs.replace(self.spool.messages[message_id], held=True))
+        return len(ids)
+
+    def release(self, messages: list[Message]) -> int:
+        """Release held mail; it resumes its schedule (overdue mail is due now)."""
+        count = 0
+        for message in messages:
+            if message.held:
+                released = msgspec.structs.replace(message, held=False)
+                self.spool.update(released)
+                self._schedule(message.id, _earliest_due(released) or 0.0)
+                count += 1
+        return count
+
+    def flush(self, messages: list[Message]) -> int:
+        """Make deferred mail due now. It still goes through pacing, the circuit breaker
+        and the greylisting minimum: a flush never hammers a receiver."""
+        now = time.time()
+        count = 0
+        for message in messages:
+            if message.held:
+                continue
+            recipients = [self._flushed(r, now) for r in message.recipients]
+            flushed = msgspec.structs.replace(message, recipients=tuple(recipients))
+            self.spool.update(flushed)
+            due = _earliest_due(flushed)
+            if due is not None:
+                self._schedule(message.id, due)
+                count += 1
+        return count
+
+    def _flushed(self, rcpt: Recipient, now: float) -> Recipient:
+        if rcpt.state != DEFERRED:
+            return rcpt
+        due = now
+        if rcpt.last_reply and rcpt.last_attempt is not None:
+            code, _, rest = rcpt.last_reply.partition(" ")
+            if code.isdigit() and classify(Reply.parse("rcpt", int(code), rest)).kind == (
+                "greylisting"
+            ):
+                due = max(now, rcpt.last_attempt + self.cfg.retry.greylist_min)
+        return msgspec.structs.replace(rcpt, next_attempt=due)
+
+    def limit(self, name: str, rate: float | None, concurrency: int | None, until: float | None):
+        """Runtime limits for a destination (by domain or destination name)."""
+
+        def apply(shaper: DestinationShaper, now: float) -> None:
+            shaper.override(now, rate_per_minute=rate, concurrency=concurrency, until=until)
+
+        return self._steer(name, apply)
+
+    def backoff(self, name: str, until: float) -> int:
+        def apply(shaper: DestinationShaper, now: float) -> None:
+            shaper.force_backoff(now, until)
+
+        return self._steer(name, apply)
+
+    def _steer(self, name: str, apply: Callable[[DestinationShaper, float], None]) -> int:
+        """Apply to matching destinations now, and to one that appears later."""
+        name = name.lower()
+        self._overrides[name] = apply
+        now = time.time()
+        matched = [d for d in self.destinations.values() if name == d.key or name in d.domains]
+        for destination in matched:
+            apply(destination.shaper, now)
+            self._pump(destination)
+        return len(matched)
+
+    def domains(self) -> list[dict]:
+        now = time.time()
+        suspended = self.hosts.snapshot(now)
+        return [d.snapshot(now, suspended) for d in self.destinations.values()]
+
+    def _unqueue(self, predicate: Callable[[WorkItem], bool]) -> None:
+        for destination in self.destinations.values():
+            for item in destination.queue.remove(predicate):
+                self._unbusy(item.message_id, item.indexes)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -62,7 +62,10 @@ def settle(
     now: float,
     rng: random.Random,
     settings: SettleSettings,
+    *,
+    retry_factor: float = 1.0,
 ) -> Settlement:
+    """`retry_factor` stretches retry intervals (a destination in backoff mode)."""
     recipients = list(message.recipients)
     out = Settlement(message)
     expires_at = expiry(message.created, settings.lifetime, message.expires)
@@ -96,6 +99,7 @@ def settle(
                 kind=verdict.kind,
                 retry_after=verdict.retry_after,
             )
+            due = now + (due - now) * retry_factor
             new = msgspec.structs.replace(old, state=DEFERRED, **(common | {"next_attempt": due}))
             if expires_before(due, expires_at):
                 new = _expire(message, new, verdict.status, now, settings, out)

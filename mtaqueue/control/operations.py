@@ -1,0 +1,88 @@
+"""Control commands that steer delivery: hold, release, flush, domains, limit, backoff."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Callable, Iterable
+from typing import Any
+
+import msgspec
+
+from mtaqueue.config import parse_duration, parse_rate
+from mtaqueue.control import views
+from mtaqueue.control.server import Command, CommandError
+from mtaqueue.delivery.manager import DeliveryManager
+from mtaqueue.model import Message
+
+
+def operation_commands(
+    manager: DeliveryManager, messages: Callable[[], Iterable[Message]]
+) -> dict[str, Command]:
+    def select(args: dict[str, Any]) -> list[Message]:
+        selector = {k: v for k, v in args.items() if k != "all" and v not in (None, [], "")}
+        if not selector and not args.get("all"):
+            raise CommandError("name messages: queue ids, --domain, --class, --tenant or --all")
+        try:
+            filters = msgspec.convert(selector, views.Filters)
+        except msgspec.ValidationError as exc:
+            raise CommandError(f"bad selection: {exc}") from None
+        return [m for m in list(messages()) if views.matches(m, filters)]
+
+    def bulk(action: Callable[[list[Message]], int], verb: str) -> Command:
+        async def command(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+            yield {verb: action(select(args))}
+
+        return command
+
+    async def domains(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        for entry in sorted(manager.domains(), key=lambda d: d["destination"]):
+            yield entry
+
+    async def limit(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        name = _name(args)
+        rate = _per_minute(args.get("rate"))
+        concurrency = args.get("concurrency")
+        if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
+            raise CommandError("--concurrency takes a whole number of at least 1")
+        if rate is None and concurrency is None:
+            raise CommandError("give --rate and/or --concurrency")
+        until = _until(args.get("for"))
+        yield {"destinations": manager.limit(name, rate, concurrency, until), "until": until}
+
+    async def backoff(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        until = _until(args.get("for") or "15m")
+        yield {"destinations": manager.backoff(_name(args), until), "until": until}
+
+    return {
+        "hold": bulk(manager.hold, "held"),
+        "release": bulk(manager.release, "released"),
+        "flush": bulk(manager.flush, "flushed"),
+        "domains": domains,
+        "limit": limit,
+        "backoff": backoff,
+    }
+
+
+def _name(args: dict[str, Any]) -> str:
+    name = args.get("domain")
+    if not isinstance(name, str) or not name:
+        raise CommandError("--domain is required")
+    return name
+
+
+def _per_minute(text: Any) -> float | None:
+    if text in (None, ""):
+        return None
+    try:
+        return float(text) if str(text).replace(".", "", 1).isdigit() else parse_rate(text) * 60
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def _until(text: Any) -> float | None:
+    if text in (None, ""):
+        return None
+    try:
+        return time.time() + parse_duration(str(text))
+    except ValueError as exc:
+        raise CommandError(f"bad duration: {exc}") from None

@@ -1,0 +1,280 @@
+"""One destination's pacing: rate buckets, adaptive concurrency, backoff mode and a circuit
+breaker, composed. The queue manager asks before it opens a connection or sends a message
+and reports what happened; waiting here is pacing, not a failed attempt (the caller does
+not climb the retry ladder for it). The global rate cap (delivery.max_rate) is the
+manager's own `TokenBucket`, not this.
+
+Admission rules:
+- A new connection needs the breaker's leave (closed, or the one half-open probe), a free
+  slot, and a token of the connections_per_minute bucket.
+- Slots: every connection counts against the adaptive limit L. The last `reserved_p0` of L
+  are for first-class work only: other work may hold at most max(1, L - reserved_p0)
+  connections, first-class work up to L. The floor of 1 keeps bulk moving when L is 1
+  (then first-class mail goes first on that one connection, as the queue pops it first).
+- A message needs a token of the messages_per_minute bucket. An open breaker stops new
+  connections only: one already open may finish its work.
+
+Ceilings and rates: the concurrency ceiling is max_connections (or an operator's
+concurrency), the message rate messages_per_minute (or an operator's rate); in backoff
+stage s the ceiling, both rates and the retry intervals are scaled by the backoff factors
+to the power s (ceiling floor 1). An unlimited rate (0) stays unlimited in backoff: the
+ceiling and the concurrency cuts slow such a destination down.
+
+Feedback rules (`result`):
+- Delivered (a real 2xx, not a lost reply taken as delivered): a success for
+  concurrency, backoff mode and breaker.
+- Throttling: a reply classified as throttling for the site (recipient-scoped throttling,
+  such as Gmail's per-mailbox 4.2.1, is that mailbox's business), or a throttle rule's
+  threshold reached: backoff signal and concurrency cut.
+- Connection failure: a transient failure before MAIL FROM (refused, timeout, 421 or 4xx
+  greeting, EHLO, STARTTLS; not a DNS failure), or a timeout in any phase: breaker failure
+  and concurrency cut (one cut if it is also throttling).
+- Any other reply shows the site answering: it closes a half-open breaker, unless it is a
+  throttle reply (the site is still unhappy: the breaker opens again). When a breaker
+  closes, concurrency starts over at 1 and grows with successes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .. import config
+from .breaker import HALF_OPEN, CircuitBreaker
+from .buckets import TokenBucket
+from .classify import DELIVERED, PERMANENT, RECIPIENT, THROTTLING, Verdict
+from .concurrency import AdaptiveConcurrency
+from .replies import PHASES, Reply
+from .throttle import BackoffMode, ThrottleRules
+
+_MAIL = PHASES.index("mail")
+
+
+@dataclass(frozen=True, slots=True)
+class _Override:
+    rate_per_minute: float | None  # None: the configured rate; 0: no limit
+    concurrency: int | None  # None: the configured max_connections
+    until: float | None  # None: until replaced
+
+
+class DestinationShaper:
+    def __init__(self, pacing: config.Pacing, shaping: config.ShapingConfig, now: float) -> None:
+        self.pacing = pacing
+        self.release_spread = float(shaping.release_spread)
+        self.concurrency = AdaptiveConcurrency(
+            pacing.initial_connections,
+            pacing.max_connections,
+            latency_factor=shaping.latency_factor,
+        )
+        self.breaker = CircuitBreaker(
+            shaping.breaker_failures,
+            shaping.breaker_window,
+            shaping.breaker_cooldown,
+            shaping.breaker_cooldown_max,
+        )
+        self.backoff = BackoffMode(
+            shaping.backoff_duration,
+            shaping.backoff_rate_factor,
+            shaping.backoff_retry_factor,
+            shaping.backoff_successes,
+        )
+        self.rules = ThrottleRules(shaping.throttle_rules)
+        self._connections = TokenBucket(pacing.connections_per_minute / 60, pacing.burst, now)
+        self._messages = TokenBucket(pacing.messages_per_minute / 60, pacing.burst, now)
+        self._override: _Override | None = None
+
+    # -- admission ---------------------------------------------------------------------
+
+    def connect_wait(self, now: float, active: int, first_class: bool) -> float:
+        """0.0: a connection may be opened now (`active` are open already). math.inf: not
+        until something happens (a slot frees, the breaker's probe reports). Else the
+        seconds to wait (the breaker's cooldown, the connection rate)."""
+        self._apply(now)
+        breaker = self.breaker.wait(now)
+        limit = self.concurrency.limit
+        slots = limit if first_class else max(1, limit - self.pacing.reserved_p0)
+        if breaker == math.inf or active >= slots:
+            return math.inf
+        return max(breaker, self._connections.wait(now))
+
+    def connected(self, now: float) -> None:
+        """A connection is being opened (after `connect_wait` said 0)."""
+        self.breaker.allow(now)  # half-open: this one is the probe
+        self._connections.take(now)
+
+    def send_wait(self, now: float) -> float:
+        """Seconds until a message may be sent (0.0: now)."""
+        self._apply(now)
+        return self._messages.wait(now)
+
+    def sent(self, now: float) -> None:
+        self._messages.take(now)
+
+    # -- feedback ----------------------------------------------------------------------
+
+    def connect_failed(self, now: float) -> None:
+        """No connection (refused, unreachable, timed out) and no `result` for it."""
+        self.breaker.failure(now)
+        self.concurrency.throttled()
+
+    def result(self, now: float, reply: Reply, verdict: Verdict) -> None:
+        """What a connection or transaction got (one call per reply that settled mail)."""
+        if verdict.outcome == DELIVERED and reply.code:  # not a lost reply taken as delivered
+            self.concurrency.success()
+            self.backoff.success(now)
+            self._answered(now)
+        else:
+            self._failed(now, reply, verdict)
+        self._apply(now)
+
+    def latency(self, now: float, seconds: float) -> None:
+        """A connect, greeting or reply time (one kind, consistently)."""
+        self._apply(now)
+        self.concurrency.latency(seconds)
+
+    def retry_factor(self, now: float) -> float:
+        """Stretch for the retry intervals of this destination's transient failures."""
+        return self.backoff.retry_factor(now)
+
+    def released(self, now: float, count: int, rng: random.Random) -> list[float]:
+        """Start times for `count` waiting items after the breaker closed (or the
+        destination came back): one in each of `count` equal slices of release_spread,
+        at a random point of it, in order. The caller gives the first to its most urgent
+        mail; pacing still applies when each comes due."""
+        step = self.release_spread / max(count, 1)
+        return [now + step * (i + rng.random()) for i in range(count)]
+
+    # -- operator overrides --------------------------------------------------------------
+
+    def override(
+        self,
+        now: float,
+        *,
+        rate_per_minute: float | None,
+        concurrency: int | None,
+        until: float | None,
+    ) -> None:
+        """Replace the runtime limits (mtaqueue-ctl limit): None keeps the configured value,
+        a rate of 0 is no limit, `until` None lasts until replaced. Both None clears it.
+        The concurrency is a ceiling (it may exceed max_connections); backoff still scales
+        both."""
+        if concurrency is not None and concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if rate_per_minute is not None and rate_per_minute < 0:
+            raise ValueError("rate must not be negative")
+        limited = rate_per_minute is not None or concurrency is not None
+        self._override = _Override(rate_per_minute, concurrency, until) if limited else None
+        self._apply(now)
+
+    def force_backoff(self, now: float, until: float) -> None:
+        """Backoff at the deepest stage until `until` (mtaqueue-ctl backoff); a time not
+        after `now` ends any backoff, forced or signalled (back to normal)."""
+        if until > now:
+            self.backoff.force(until)
+        else:
+            self.backoff.clear()
+        self._apply(now)
+
+    def snapshot(self, now: float) -> dict:
+        """The state for `mtaqueue-ctl domains`, JSON-ready."""
+        self._apply(now)
+        override = self._override
+        return {
+            "limit": self.concurrency.limit,
+            "max": self.concurrency.maximum,
+            "mode": self.backoff.mode(now),
+            "stage": self.backoff.stage(now),
+            "backoff_until": self.backoff.forced_until(now),
+            "circuit": self.breaker.state(now),
+            "reopen_at": self.breaker.reopen_at,
+            "trips": self.breaker.trips,
+            "messages_per_minute": self._messages.rate * 60,
+            "connections_per_minute": self._connections.rate * 60,
+            "latency_baseline": self.concurrency.baseline,
+            "override": None
+            if override is None
+            else {
+                "rate_per_minute": override.rate_per_minute,
+                "concurrency": override.concurrency,
+                "until": override.until,
+            },
+        }
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _failed(self, now: float, reply: Reply, verdict: Verdict) -> None:
+        rule_hit = self.rules.hit(reply.line(), now)
+        throttled = rule_hit or (verdict.kind == THROTTLING and verdict.scope != RECIPIENT)
+        if throttled:
+            self.backoff.signal(now)
+        if _connection_failure(reply, verdict):
+            self.connect_failed(now)
+        elif throttled:
+            self.concurrency.throttled()
+            if self.breaker.state(now) == HALF_OPEN:
+                self.breaker.failure(now)
+        elif reply.code:
+            self._answered(now)
+
+    def _answered(self, now: float) -> None:
+        """The site answered: a half-open breaker closes, and the ramp starts from 1."""
+        probing = self.breaker.state(now) == HALF_OPEN
+        self.breaker.success(now)
+        if probing:
+            self.concurrency.reset(1)
+
+    def _apply(self, now: float) -> None:
+        """Bring the ceiling and the rates in line with the override and the backoff stage
+        at `now` (both change with time alone)."""
+        override = self._override
+        if override is not None and override.until is not None and now >= override.until:
+            self._override = override = None
+        ceiling = self.pacing.max_connections
+        rate = self.pacing.messages_per_minute
+        if override is not None:
+            if override.concurrency is not None:
+                ceiling = override.concurrency
+            if override.rate_per_minute is not None:
+                rate = override.rate_per_minute
+        factor = self.backoff.rate_factor(now)
+        self.concurrency.cap(max(1, math.floor(ceiling * factor)))
+        self._messages.set_rate(rate / 60 * factor, now)
+        self._connections.set_rate(self.pacing.connections_per_minute / 60 * factor, now)
+
+
+def _connection_failure(reply: Reply, verdict: Verdict) -> bool:
+    """A connection that could not be used, or a timeout: what trips the breaker."""
+    if verdict.outcome == PERMANENT or reply.phase == "dns":
+        return False
+    return reply.network == "timeout" or PHASES.index(reply.phase) < _MAIL
+
+
+def pacing_for(
+    shaping: config.ShapingConfig, domain: str, mx_hosts: Iterable[str]
+) -> config.Pacing:
+    """The pacing of a destination: the first [[shaping.destinations]] rule whose `domain`
+    is the domain, or whose `mx_suffix` ends any MX host name, over shaping.default.
+
+    Names compare without case or a trailing dot. A suffix with a leading dot
+    (".google.com") matches by the end of the name; one without ("google.com") matches
+    that name and its subdomains, not "notgoogle.com"."""
+    domain = _name(domain)
+    hosts = [_name(host) for host in mx_hosts]
+    for rule in shaping.destinations:
+        if rule.domain and _name(rule.domain) == domain:
+            return rule.over(shaping.default)
+        if rule.mx_suffix and any(_under(host, _name(rule.mx_suffix)) for host in hosts):
+            return rule.over(shaping.default)
+    return shaping.default
+
+
+def _name(name: str) -> str:
+    return name.lower().removesuffix(".")
+
+
+def _under(host: str, suffix: str) -> bool:
+    if suffix.startswith("."):
+        return host.endswith(suffix)
+    return host == suffix or host.endswith("." + suffix)

@@ -1,0 +1,487 @@
+"""One destination's pacing, composed (mtaqueue.policy.shaper)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from mtaqueue.config import DestinationRule, Pacing, ShapingConfig, ThrottleRule
+from mtaqueue.policy.classify import classify
+from mtaqueue.policy.replies import Reply
+from mtaqueue.policy.shaper import DestinationShaper, pacing_for
+
+# A small, quick destination: 4 connections at most, 2 to start, one reserved for p0.
+PACING = Pacing(max_connections=4, initial_connections=2, reserved_p0=1)
+SHAPING = ShapingConfig(
+    backoff_duration=600.0,
+    backoff_successes=10,
+    breaker_failures=3,
+    breaker_window=60.0,
+    breaker_cooldown=30.0,
+    breaker_cooldown_max=120.0,
+    release_spread=30.0,
+)
+
+DELIVERED = Reply("data_end", 250, "2.0.0", "ok")
+THROTTLED = Reply("data_end", 451, "4.7.28", "Our system has detected an unusual rate")
+TOO_MANY = Reply("banner", 421, "", "Too many connections")
+REFUSED = Reply("connect", 0, network="refused")
+NO_SUCH_USER = Reply("rcpt", 550, "5.1.1", "no such user")
+
+
+def shaper_at(now: float = 0.0, pacing: Pacing = PACING, **shaping) -> DestinationShaper:
+    return DestinationShaper(pacing, msgspec.structs.replace(SHAPING, **shaping), now)
+
+
+def report(shaper: DestinationShaper, now: float, reply: Reply, times: int = 1) -> None:
+    for _ in range(times):
+        shaper.result(now, reply, classify(reply))
+
+
+def slots(shaper: DestinationShaper, now: float, first_class: bool) -> int:
+    """How many connections may be open at once for this kind of work."""
+    active = 0
+    while shaper.connect_wait(now, active, first_class) == 0:
+        active += 1
+    return active
+
+
+def grow_to(shaper: DestinationShaper, now: float, limit: int) -> None:
+    while shaper.concurrency.limit < limit:
+        report(shaper, now, DELIVERED)
+
+
+# -- admission ----------------------------------------------------------------------------
+
+
+def test_starts_at_the_initial_concurrency():
+    shaper = shaper_at()
+    assert shaper.concurrency.limit == 2
+    assert shaper.connect_wait(0.0, 0, first_class=False) == 0
+    assert shaper.connect_wait(0.0, 2, first_class=True) == math.inf
+    assert shaper.send_wait(0.0) == 0  # no rate configured
+
+
+def test_reserved_slot_for_the_first_class():
+    shaper = shaper_at()
+    # At limit 2 one slot is bulk's, the other the first class's.
+    assert (slots(shaper, 0.0, False), slots(shaper, 0.0, True)) == (1, 2)
+    grow_to(shaper, 0.0, 4)
+    assert (slots(shaper, 0.0, False), slots(shaper, 0.0, True)) == (3, 4)
+    # Cut to 1: bulk keeps its one connection (never starved), p0 goes first on it.
+    report(shaper, 0.0, THROTTLED, times=2)
+    assert shaper.concurrency.limit == 1
+    assert (slots(shaper, 0.0, False), slots(shaper, 0.0, True)) == (1, 1)
+
+
+def test_no_reserve():
+    shaper = shaper_at(pacing=Pacing(max_connections=4, initial_connections=4, reserved_p0=0))
+    assert (slots(shaper, 0.0, False), slots(shaper, 0.0, True)) == (4, 4)
+
+
+def test_connection_rate():
+    shaper = shaper_at(pacing=Pacing(connections_per_minute=6, burst=1))
+    assert shaper.connect_wait(0.0, 0, False) == 0
+    shaper.connected(0.0)
+    assert shaper.connect_wait(0.0, 1, True) == pytest.approx(10.0)
+    assert shaper.connect_wait(10.0, 1, True) == 0
+
+
+def test_message_rate_allows_the_burst_then_paces():
+    shaper = shaper_at(pacing=Pacing(messages_per_minute=60, burst=5))
+    sent = 0
+    while shaper.send_wait(0.0) == 0:
+        shaper.sent(0.0)
+        sent += 1
+    assert sent == 5
+    assert shaper.send_wait(0.0) == pytest.approx(1.0)
+
+
+# -- throttling and backoff mode -------------------------------------------------------------
+
+
+def test_throttle_backoff_and_recovery_in_stages():
+    pacing = Pacing(max_connections=8, initial_connections=8, messages_per_minute=120)
+    shaper = shaper_at(pacing=pacing)
+    report(shaper, 0.0, THROTTLED)
+    snap = shaper.snapshot(0.0)
+    assert (snap["mode"], snap["stage"]) == ("backoff", 2)
+    assert snap["max"] == 2  # the ceiling 8 * 0.5**2
+    assert snap["limit"] == 2  # halved to 4, then capped
+    assert snap["messages_per_minute"] == pytest.approx(30)
+    assert shaper.retry_factor(0.0) == 4.0
+
+    # One duration later: stage 1, ceiling and rate half of normal.
+    snap = shaper.snapshot(600.0)
+    assert (snap["stage"], snap["max"], snap["messages_per_minute"]) == (1, 4, 60)
+    assert shaper.retry_factor(600.0) == 2.0
+
+    # A run of successes steps back the last stage: normal again.
+    report(shaper, 601.0, DELIVERED, times=10)
+    snap = shaper.snapshot(601.0)
+    assert (snap["mode"], snap["stage"], snap["max"]) == ("normal", 0, 8)
+    assert snap["messages_per_minute"] == pytest.approx(120)
+    assert shaper.retry_factor(601.0) == 1.0
+    # The ceiling is back, the limit grows back by successes, not at once.
+    assert snap["limit"] < 8
+
+
+def test_the_backoff_rate_paces_sending():
+    shaper = shaper_at(pacing=Pacing(messages_per_minute=60, burst=1))
+    shaper.sent(0.0)
+    assert shaper.send_wait(0.0) == pytest.approx(1.0)
+    report(shaper, 0.0, THROTTLED)
+    assert shaper.send_wait(0.0) == pytest.approx(4.0)  # a quarter of the rate
+
+
+def test_an_unlimited_rate_stays_unlimited_in_backoff():
+    shaper = shaper_at()
+    report(shaper, 0.0, THROTTLED)
+    assert shaper.snapshot(0.0)["messages_per_minute"] == 0
+    assert shaper.send_wait(0.0) == 0
+
+
+def test_a_throttle_rule_threshold():
+    shaper = shaper_at(throttle_rules=[ThrottleRule(match="(?i)temporarily deferred", threshold=2)])
+    deferred = Reply("rcpt", 451, "4.3.0", "Temporarily deferred")
+    assert classify(deferred).kind != "throttling"
+    report(shaper, 0.0, deferred)
+    assert shaper.snapshot(0.0)["mode"] == "normal"
+    report(shaper, 60.0, deferred)
+    assert shaper.snapshot(60.0)["mode"] == "backoff"
+
+
+def test_a_mailbox_rate_limit_does_not_slow_the_destination():
+    reply = Reply("rcpt", 450, "4.2.1", "The user is receiving mail too quickly")
+    assert (classify(reply).kind, classify(reply).scope) == ("throttling", "recipient")
+    shaper = shaper_at()
+    report(shaper, 0.0, reply)
+    assert shaper.snapshot(0.0)["mode"] == "normal"
+    assert shaper.concurrency.limit == 2
+
+
+def test_forced_backoff_and_back_to_normal():
+    shaper = shaper_at()
+    shaper.force_backoff(0.0, until=100.0)
+    assert shaper.snapshot(50.0)["mode"] == "backoff"
+    assert shaper.snapshot(50.0)["backoff_until"] == 100.0
+    assert shaper.snapshot(100.0)["mode"] == "normal"
+    report(shaper, 200.0, THROTTLED)
+    shaper.force_backoff(201.0, until=201.0)  # "normal now" also ends a signalled backoff
+    assert shaper.snapshot(201.0)["mode"] == "normal"
+
+
+# -- the circuit breaker ---------------------------------------------------------------------
+
+
+def test_breaker_open_probe_and_ramp_from_one():
+    shaper = shaper_at()
+    grow_to(shaper, 0.0, 4)
+    for _ in range(3):
+        shaper.connect_failed(10.0)
+    snap = shaper.snapshot(10.0)
+    assert (snap["circuit"], snap["reopen_at"], snap["trips"]) == ("open", 40.0, 1)
+    assert shaper.connect_wait(10.0, 0, True) == pytest.approx(30.0)  # the cooldown left
+    # Half-open: one probe.
+    assert shaper.connect_wait(40.0, 0, False) == 0
+    shaper.connected(40.0)
+    assert shaper.snapshot(40.0)["circuit"] == "half-open"
+    assert shaper.connect_wait(40.0, 1, True) == math.inf
+    assert shaper.connect_wait(40.0, 0, True) == math.inf  # not even with nothing open
+    # The probe delivers: closed, and concurrency ramps up from 1.
+    report(shaper, 41.0, DELIVERED)
+    assert shaper.snapshot(41.0)["circuit"] == "closed"
+    assert shaper.concurrency.limit == 1
+    assert shaper.connect_wait(41.0, 0, False) == 0
+    assert shaper.connect_wait(41.0, 1, False) == math.inf
+    report(shaper, 42.0, DELIVERED)
+    assert shaper.concurrency.limit == 2
+
+
+def test_a_failed_probe_reopens_for_longer():
+    shaper = shaper_at()
+    for _ in range(3):
+        report(shaper, 0.0, REFUSED)
+    shaper.connected(30.0)
+    report(shaper, 31.0, TOO_MANY)
+    snap = shaper.snapshot(31.0)
+    assert (snap["circuit"], snap["reopen_at"], snap["trips"]) == ("open", 91.0, 2)
+
+
+def test_a_throttled_probe_reopens():
+    shaper = shaper_at()
+    for _ in range(3):
+        shaper.connect_failed(0.0)
+    shaper.connected(30.0)
+    report(shaper, 31.0, THROTTLED)  # answered, but still unhappy
+    assert shaper.snapshot(31.0)["circuit"] == "open"
+
+
+def test_a_bounce_shows_the_site_answering():
+    shaper = shaper_at()
+    for _ in range(3):
+        shaper.connect_failed(0.0)
+    shaper.connected(30.0)
+    report(shaper, 31.0, NO_SUCH_USER)
+    assert shaper.snapshot(31.0)["circuit"] == "closed"
+    assert shaper.concurrency.limit == 1
+
+
+def test_421_at_the_greeting_is_throttling_and_a_connection_failure():
+    shaper = shaper_at()
+    report(shaper, 0.0, TOO_MANY, times=2)
+    snap = shaper.snapshot(0.0)
+    assert (snap["mode"], snap["circuit"], snap["limit"]) == ("backoff", "closed", 1)
+    report(shaper, 1.0, TOO_MANY)
+    assert shaper.snapshot(1.0)["circuit"] == "open"
+
+
+def test_timeouts_count_in_any_phase():
+    shaper = shaper_at()
+    report(shaper, 0.0, Reply("rcpt", 0, network="timeout"), times=2)
+    report(shaper, 0.0, Reply("data_end", 0, network="timeout"))
+    assert shaper.snapshot(0.0)["circuit"] == "open"
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        Reply("dns", 0, "4.4.3", network="dns"),  # says nothing about the site
+        Reply("rcpt", 0, network="lost"),
+        Reply("rcpt", 451, "4.3.0", "Temporarily deferred"),
+        NO_SUCH_USER,
+    ],
+)
+def test_what_does_not_trip_the_breaker(reply):
+    shaper = shaper_at()
+    report(shaper, 0.0, reply, times=10)
+    assert shaper.snapshot(0.0)["circuit"] == "closed"
+
+
+def test_an_answer_starts_the_failure_count_over():
+    shaper = shaper_at()
+    for _ in range(5):
+        shaper.connect_failed(0.0)
+        shaper.connect_failed(0.0)
+        report(shaper, 0.0, NO_SUCH_USER)
+    assert shaper.snapshot(0.0)["circuit"] == "closed"
+
+
+# -- latency ---------------------------------------------------------------------------------
+
+
+def test_silent_throttling_cuts_concurrency():
+    shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=8))
+    for i in range(5):
+        shaper.latency(float(i), 0.2)
+    assert shaper.concurrency.limit == 8
+    shaper.latency(6.0, 2.0)
+    assert shaper.concurrency.limit == 4
+    assert shaper.snapshot(6.0)["mode"] == "normal"  # a cut, not backoff mode
+
+
+# -- release after a reopening ---------------------------------------------------------------
+
+
+def test_release_is_spread_soonest_first():
+    shaper = shaper_at()
+    times = shaper.released(100.0, 10, random.Random(1))
+    assert times == sorted(times)
+    assert all(100.0 + 3 * i <= t < 100.0 + 3 * (i + 1) for i, t in enumerate(times))
+    assert shaper.released(100.0, 0, random.Random(1)) == []
+
+
+@given(st.integers(1, 5000), st.integers(0, 2**32), st.floats(0, 1e9))
+def test_release_is_never_a_herd(count, seed, now):
+    """`count` items spread over the release window: in any slice of spread/count seconds
+    at most two start, and all start within the window, the first ones soonest."""
+    spread = SHAPING.release_spread
+    times = shaper_at().released(now, count, random.Random(seed))
+    assert len(times) == count
+    assert times == sorted(times)
+    assert all(now <= t <= now + spread for t in times)
+    step = spread / count
+    slack = 1e-9 * max(1.0, now)
+    for i in range(count - 2):
+        assert times[i + 2] - times[i] >= step - slack
+
+
+# -- operator overrides ----------------------------------------------------------------------
+
+
+def test_override_and_its_expiry():
+    shaper = shaper_at(pacing=Pacing(max_connections=4, initial_connections=4, reserved_p0=0))
+    shaper.override(0.0, rate_per_minute=6, concurrency=1, until=100.0)
+    snap = shaper.snapshot(0.0)
+    assert (snap["max"], snap["limit"], snap["messages_per_minute"]) == (1, 1, 6)
+    assert snap["override"] == {"rate_per_minute": 6, "concurrency": 1, "until": 100.0}
+    assert shaper.connect_wait(50.0, 1, True) == math.inf
+    shaper.sent(50.0)
+    assert shaper.send_wait(50.0) == 0  # the burst
+    # Expired: the configured limits are back (the limit grows back by successes).
+    snap = shaper.snapshot(100.0)
+    assert (snap["max"], snap["messages_per_minute"], snap["override"]) == (4, 0, None)
+    assert shaper.send_wait(100.0) == 0
+
+
+def test_override_may_raise_the_ceiling_and_be_cleared():
+    shaper = shaper_at()
+    shaper.override(0.0, rate_per_minute=None, concurrency=20, until=None)
+    assert shaper.snapshot(1e9)["max"] == 20  # no expiry
+    shaper.override(0.0, rate_per_minute=None, concurrency=None, until=None)
+    assert shaper.snapshot(0.0)["override"] is None
+    assert shaper.snapshot(0.0)["max"] == 4
+
+
+def test_backoff_scales_an_override():
+    shaper = shaper_at()
+    shaper.override(0.0, rate_per_minute=100, concurrency=None, until=None)
+    report(shaper, 0.0, THROTTLED)
+    assert shaper.snapshot(0.0)["messages_per_minute"] == pytest.approx(25)
+
+
+def test_override_refuses_nonsense():
+    shaper = shaper_at()
+    with pytest.raises(ValueError):
+        shaper.override(0.0, rate_per_minute=None, concurrency=0, until=None)
+    with pytest.raises(ValueError):
+        shaper.override(0.0, rate_per_minute=-1, concurrency=None, until=None)
+
+
+def test_snapshot_is_json():
+    shaper = shaper_at()
+    shaper.override(0.0, rate_per_minute=6, concurrency=None, until=50.0)
+    report(shaper, 0.0, TOO_MANY, times=3)
+    snap = shaper.snapshot(1.0)
+    assert json.loads(json.dumps(snap)) == snap
+    assert set(snap) >= {"limit", "max", "mode", "stage", "circuit", "reopen_at", "override"}
+
+
+# -- pacing by destination -------------------------------------------------------------------
+
+
+def rules(*destinations: DestinationRule) -> ShapingConfig:
+    return ShapingConfig(
+        default=Pacing(max_connections=10, burst=7), destinations=list(destinations)
+    )
+
+
+def test_pacing_for_the_default():
+    shaping = rules()
+    assert pacing_for(shaping, "example.com", ["mx.example.com"]) == shaping.default
+
+
+def test_pacing_for_a_domain():
+    shaping = rules(DestinationRule(domain="Example.COM", max_connections=2))
+    pacing = pacing_for(shaping, "example.com.", [])
+    assert (pacing.max_connections, pacing.burst) == (2, 7)  # the rest from the default
+    assert pacing_for(shaping, "sub.example.com", []) == shaping.default
+
+
+def test_pacing_for_an_mx_suffix():
+    shaping = rules(
+        DestinationRule(mx_suffix=".google.com", max_connections=5),
+        DestinationRule(mx_suffix="yahoodns.net", max_connections=3),
+    )
+    assert pacing_for(shaping, "a.test", ["ASPMX.L.GOOGLE.COM."]).max_connections == 5
+    assert pacing_for(shaping, "a.test", (h for h in ["x.test", "mta5.am0.yahoodns.net"])) == (
+        Pacing(max_connections=3, burst=7)
+    )
+    assert pacing_for(shaping, "a.test", ["yahoodns.net"]).max_connections == 3
+    assert pacing_for(shaping, "a.test", ["notyahoodns.net"]) == shaping.default
+    assert pacing_for(shaping, "a.test", ["google.com"]) == shaping.default
+
+
+def test_pacing_first_match_wins():
+    shaping = rules(
+        DestinationRule(mx_suffix=".outlook.com", max_connections=5),
+        DestinationRule(domain="hotmail.com", max_connections=1),
+    )
+    assert pacing_for(shaping, "hotmail.com", ["x.olc.protection.outlook.com"]).max_connections == 5
+    assert pacing_for(shaping, "hotmail.com", ["mx.other.test"]).max_connections == 1
+
+
+# -- properties ------------------------------------------------------------------------------
+
+RATE, BURST = 60.0, 3  # messages per minute
+
+
+class Shaper(RuleBasedStateMachine):
+    """Random traffic and feedback: concurrency stays within its bounds, the circuit's
+    state and the admission agree, and sends never beat the configured rate."""
+
+    REPLIES = (DELIVERED, THROTTLED, TOO_MANY, REFUSED, NO_SUCH_USER)
+
+    def __init__(self) -> None:
+        super().__init__()
+        pacing = Pacing(
+            max_connections=6, initial_connections=2, messages_per_minute=RATE, burst=BURST
+        )
+        self.shaper = shaper_at(pacing=pacing)
+        self.now = 0.0
+        self.active = 0
+        self.sends: list[float] = []
+
+    @rule(first_class=st.booleans())
+    def connect(self, first_class):
+        wait = self.shaper.connect_wait(self.now, self.active, first_class)
+        assert wait >= 0
+        if wait == 0:
+            self.shaper.connected(self.now)
+            self.active += 1
+
+    @rule()
+    def close(self):
+        self.active = max(0, self.active - 1)
+
+    @rule()
+    def send(self):
+        if self.shaper.send_wait(self.now) == 0:
+            self.shaper.sent(self.now)
+            self.sends.append(self.now)
+
+    @rule(reply=st.sampled_from(REPLIES))
+    def result(self, reply):
+        self.shaper.result(self.now, reply, classify(reply))
+
+    @rule()
+    def connect_failed(self):
+        self.shaper.connect_failed(self.now)
+
+    @rule(seconds=st.floats(0.01, 30))
+    def latency(self, seconds):
+        self.shaper.latency(self.now, seconds)
+
+    @rule(seconds=st.sampled_from([0.1, 1.0, 5.0, 31.0, 300.0, 601.0]))
+    def wait(self, seconds):
+        self.now += seconds
+
+    @invariant()
+    def concurrency_within_bounds(self):
+        snap = self.shaper.snapshot(self.now)
+        assert 1 <= snap["limit"] <= snap["max"] <= 6
+
+    @invariant()
+    def circuit_and_admission_agree(self):
+        snap = self.shaper.snapshot(self.now)
+        wait = self.shaper.connect_wait(self.now, 0, True)
+        if snap["circuit"] == "open":
+            assert wait == pytest.approx(snap["reopen_at"] - self.now)
+        elif snap["circuit"] == "closed":
+            assert wait == 0
+
+    @invariant()
+    def sends_never_beat_the_rate(self):
+        for i, first in enumerate(self.sends):
+            count = len(self.sends) - i
+            assert count <= BURST + RATE / 60 * (self.sends[-1] - first) + 1e-6
+
+
+TestShaper = Shaper.TestCase

@@ -1,0 +1,153 @@
+"""Traffic shaping and operations end to end: daemon, test DNS, scriptable peers."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from dns_server import DnsServer
+from e2e_helpers import BODY, FAST, events, wait_for
+from smtp_peer import peers_on_one_port
+
+
+class Provider:
+    """One provider (two domains on the same MX host) plus the senders' home MX."""
+
+    def __init__(self, start_daemon) -> None:
+        self.dns = DnsServer().start()
+        self.mx, self.home = peers_on_one_port(["127.0.0.2", "127.0.0.9"])
+        for domain in ("example.org", "example.net"):
+            self.dns.add(domain, "MX", "10 mx.provider.test")
+        self.dns.add("mx.provider.test", "A", "127.0.0.2")
+        self.dns.add("sender.test", "MX", "10 mx.sender.test")
+        self.dns.add("mx.sender.test", "A", "127.0.0.9")
+        self._start = start_daemon
+
+    def daemon(self, *overrides: str):
+        return self._start(
+            f'dns.nameservers=["{self.dns.address}"]', f"delivery.port={self.mx.port}", *FAST,
+            *overrides,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.mx.stop()
+        self.home.stop()
+        self.dns.stop()
+
+
+@pytest.fixture
+def provider(start_daemon):
+    p = Provider(start_daemon)
+    yield p
+    p.close()
+
+
+def send_class(daemon, klass: str, rcpt: str) -> str:
+    return daemon.send("app@sender.test", [rcpt], f"X-Mtaqueue-Class: {klass}\r\n".encode() + BODY)
+
+
+def ctl_json(daemon, *args: str) -> list[dict]:
+    result = daemon.ctl(*args, "--json")
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_hold_and_release_by_domain_and_class(provider):
+    provider.mx.on("rcpt", "451 4.3.0 try later")
+    daemon = provider.daemon('retry.schedule=["60s"]')
+    bulk = [send_class(daemon, "p2", f"b{i}@example.org") for i in range(3)]
+    reset = send_class(daemon, "p0", "r@example.net")
+    wait_for(lambda: len(events(daemon, "delivery")) == 4, what="first attempts")
+
+    assert ctl_json(daemon, "hold", "--class", "p2") == [{"held": 3}]
+    queue = daemon.messages()
+    assert all(queue[i]["held"] and queue[i]["recipients"][0]["state"] == "held" for i in bulk)
+    assert not queue[reset]["held"]
+    assert daemon.ctl("hold").returncode != 0  # no selection: refused, nothing held
+
+    provider.mx.on("rcpt", None)  # the receiver is fine again
+    assert ctl_json(daemon, "flush", "--all") == [{"flushed": 1}]  # held mail is not flushed
+    wait_for(lambda: reset not in daemon.messages(), what="the p0 message")
+    time.sleep(1)
+    assert set(bulk) <= set(daemon.messages())  # still held
+    assert ctl_json(daemon, "release", "--domain", "example.org") == [{"released": 3}]
+    assert ctl_json(daemon, "flush", "--domain", "example.org") == [{"flushed": 3}]
+    wait_for(lambda: not daemon.messages(), what="the released messages")
+
+
+def test_flush_keeps_the_greylisting_minimum(provider):
+    provider.mx.greylist(60)
+    daemon = provider.daemon("retry.greylist_min=4s", 'retry.schedule=["60s"]')
+    queue_id = daemon.send("app@sender.test", ["g@example.org"], BODY)
+    wait_for(lambda: events(daemon, "delivery"), what="the greylisted attempt")
+    first = time.time()
+    provider.mx.greylist(0)
+    assert ctl_json(daemon, "flush", queue_id) == [{"flushed": 1}]
+    due = daemon.messages()[queue_id]["recipients"][0]["next_attempt"]
+    assert due >= first + 3.0  # not now: the greylist window still applies
+    wait_for(lambda: not daemon.messages(), timeout=15, what="delivery after the window")
+    tries = [e for e in provider.mx.log if e.phase == "rcpt"]
+    assert tries[-1].time - tries[0].time >= 3.5
+
+
+def test_p0_goes_first_while_bulk_waits(provider):
+    daemon = provider.daemon(
+        "shaping.default.max_connections=1",
+        "shaping.default.initial_connections=1",
+        "shaping.default.reserved_p0=0",
+        "shaping.default.messages_per_minute=120",
+        "shaping.default.burst=1",
+    )
+    for i in range(12):
+        send_class(daemon, "p2", f"bulk{i}@example.org")
+    send_class(daemon, "p0", "reset@example.org")
+    wait_for(lambda: not daemon.messages(), timeout=30, what="the whole queue")
+    order = [m.rcpt_tos[0] for m in provider.mx.messages]
+    assert order.index("reset@example.org") <= 3  # not behind the bulk backlog
+
+
+def test_domains_view_and_runtime_limit(provider):
+    provider.mx.on("rcpt", "451 4.3.0 try later")
+    daemon = provider.daemon('retry.schedule=["60s"]')
+    send_class(daemon, "p1", "a@example.org")
+    send_class(daemon, "p1", "b@example.net")
+    wait_for(lambda: len(events(daemon, "delivery")) == 2)
+    (dest,) = ctl_json(daemon, "domains")
+    # One provider, one destination (named by its MX hosts; the port as it is not 25).
+    assert dest["destination"] == f"mx.provider.test:{provider.mx.port}"
+    assert dest["domains"] == ["example.net", "example.org"]
+    assert dest["deferral_rate"] == 1.0 and "451 4.3.0 try later" in dest["last_replies"][-1]
+    assert dest["mode"] == "normal" and dest["circuit"] == "closed"
+    result = ctl_json(daemon, "limit", "--domain", "example.org", "--rate", "6/min", "--for", "1h")
+    assert result[0]["destinations"] == 1
+    (dest,) = ctl_json(daemon, "domains")
+    assert dest["override"]
+    name = dest["destination"]
+    assert ctl_json(daemon, "backoff", "--domain", name, "--for", "10m")[0]["destinations"] == 1
+    (dest,) = ctl_json(daemon, "domains")
+    assert dest["mode"] == "backoff"
+
+
+def test_breaker_opens_then_probes_and_recovers(provider):
+    provider.mx.refuse_connections()
+    daemon = provider.daemon(
+        "shaping.breaker_failures=2",
+        "shaping.breaker_cooldown=3s",
+        "delivery.host_suspend=1s",
+        'retry.schedule=["1s"]',
+        'retry.then=["1s", "1s"]',
+    )
+    for i in range(4):
+        send_class(daemon, "p1", f"c{i}@example.org")
+    wait_for(
+        lambda: any(d["circuit"] == "open" for d in ctl_json(daemon, "domains")),
+        what="the breaker to open",
+    )
+    tried = len(events(daemon, "delivery"))
+    provider.mx.resume()
+    time.sleep(1.0)
+    assert len(events(daemon, "delivery")) <= tried + 1  # open: no attempts beyond a probe
+    wait_for(lambda: not daemon.messages(), timeout=30, what="recovery after the probe")
+    (dest,) = ctl_json(daemon, "domains") or [{"circuit": "closed"}]
+    assert dest["circuit"] == "closed"
