@@ -155,6 +155,7 @@ class ListenConfig(_Table):
 class SubmissionConfig(_Table):
     default_class: str = "p1"
     dedupe_window: Duration = _d("24h")
+    tenant_header: str = ""  # e.g. "X-Tenant": names the tenant when the client did not AUTH
 
 
 class SpoolConfig(_Table):
@@ -282,6 +283,7 @@ class ShapingConfig(_Table):
     breaker_cooldown: Duration = _d("30s")
     breaker_cooldown_max: Duration = _d("30m")
     release_spread: Duration = _d("30s")  # waiting mail after a reopening, spread over this
+    tenant_rate: str = ""  # per tenant over all destinations, e.g. "600/min"; "" = no cap
     throttle_rules: list[ThrottleRule] = []
 
 
@@ -531,6 +533,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"delivery.rules[{i}].match: invalid regex: {exc}") from None
     if cfg.delivery.max_rate:
         _check("delivery.max_rate", parse_rate, cfg.delivery.max_rate)
+    if cfg.shaping.tenant_rate:
+        _check("shaping.tenant_rate", parse_rate, cfg.shaping.tenant_rate)
     for i, rule in enumerate(cfg.shaping.destinations):
         if bool(rule.domain) == bool(rule.mx_suffix):
             raise ConfigError(f"shaping.destinations[{i}]: give exactly one of domain, mx_suffix")

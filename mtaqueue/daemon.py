@@ -246,6 +246,7 @@ def listener_settings(cfg: config.Config, hostname: str) -> ListenerSettings:
             hostname=hostname,
             classes=tuple(sorted(cfg.classes, key=lambda n: (cfg.classes[n].priority, n))),
             default_class=cfg.submission.default_class,
+            tenant_header=cfg.submission.tenant_header.lower().encode(),
         ),
     )
 

@@ -29,6 +29,7 @@ class SubmissionSettings:
     hostname: str
     classes: tuple[str, ...]
     default_class: str
+    tenant_header: bytes = b""  # lower-case header name, or b"" for none
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +55,9 @@ def prepare(
     ours: dict[bytes, str] = {}
     kept: list[bytes] = []
     has_message_id = has_date = False
+    ours_names = (*_OURS, settings.tenant_header) if settings.tenant_header else _OURS
     for name, raw in fields:
-        if name in _OURS:
+        if name in ours_names:
             value = raw.partition(b":")[2].replace(b"\r\n", b"")  # unfold
             ours[name] = value.decode("utf-8", "replace").strip()
             continue
@@ -96,7 +98,7 @@ def prepare(
         ret=envelope.ret,
         body=envelope.body,
         smtputf8=envelope.smtputf8,
-        tenant=submit.user,
+        tenant=submit.user or ours.get(settings.tenant_header) or None,
         client=received.client,
         helo=submit.helo,
     )

@@ -151,3 +151,45 @@ def test_breaker_opens_then_probes_and_recovers(provider):
     wait_for(lambda: not daemon.messages(), timeout=30, what="recovery after the probe")
     (dest,) = ctl_json(daemon, "domains") or [{"circuit": "closed"}]
     assert dest["circuit"] == "closed"
+
+
+def test_throttling_puts_the_destination_in_backoff(provider):
+    provider.mx.on(
+        "mail",
+        "421 4.7.28 Our system has detected an unusual rate of mail; temporarily rate limited",
+        times=2,
+    )
+    daemon = provider.daemon("shaping.backoff_duration=1h", 'retry.schedule=["1s"]')
+    for i in range(3):
+        send_class(daemon, "p1", f"t{i}@example.org")
+    throttled = wait_for(
+        lambda: [e for e in events(daemon, "delivery") if e["kind"] == "throttling"],
+        what="a throttling reply",
+    )
+    assert throttled[0]["outcome"] == "transient"
+    (dest,) = ctl_json(daemon, "domains")
+    assert dest["mode"] == "backoff" and dest["stage"] >= 1
+    assert dest["limit"] <= 2  # concurrency cut
+    wait_for(lambda: not daemon.messages(), timeout=30, what="delivery after the throttling")
+
+
+def test_restart_with_an_overdue_backlog_sends_p0_first(provider):
+    daemon = provider.daemon(
+        "delivery.enabled=false",
+        "shaping.default.max_connections=1",
+        "shaping.default.initial_connections=1",
+        "shaping.default.reserved_p0=0",
+        "retry.restart_spread=3s",
+    )
+    for i in range(10):
+        send_class(daemon, "p2", f"bulk{i}@example.org")
+    send_class(daemon, "p0", "reset@example.org")
+    assert daemon.stop() == 0
+    daemon.overrides = [o for o in daemon.overrides if o != "delivery.enabled=false"]
+    daemon.overrides.append("delivery.enabled=true")
+    daemon.start()
+    wait_for(lambda: not daemon.messages(), timeout=30, what="the backlog to drain")
+    order = [m.rcpt_tos[0] for m in provider.mx.messages]
+    assert order[0] == "reset@example.org"
+    times = [m.time for m in provider.mx.messages]
+    assert times[-1] - times[1] > 1.0  # the bulk was spread out, not a herd

@@ -401,3 +401,17 @@ def test_body_bytes_are_untouched():
     content = b"Subject: s\r\n" + HEADER_TAIL + body
     _, stored = run(content)
     assert stored.endswith(content)
+
+
+def test_tenant_header_names_the_tenant_and_is_removed():
+    settings = SubmissionSettings("mx.test", ("p0", "p1", "p2"), "p1", tenant_header=b"x-tenant")
+    content = b"X-Tenant: shop-7\r\nSubject: s\r\n\r\nbody\r\n"
+    message, stored = prepare(submit(content), RECEIVED, settings)
+    assert message.tenant == "shop-7"
+    assert b"X-Tenant" not in stored and stored.endswith(b"Subject: s\r\n\r\nbody\r\n")
+    # An authenticated user is the tenant, whatever the header says.
+    message, _ = prepare(submit(content, user="alice"), RECEIVED, settings)
+    assert message.tenant == "alice"
+    # Without the setting the header is ordinary content.
+    message, stored = prepare(submit(content), RECEIVED, SETTINGS)
+    assert message.tenant is None and b"X-Tenant: shop-7" in stored

@@ -26,6 +26,7 @@ class WorkItem:
     indexes: list[int]  # recipients of the message in this transaction
     route: Route
     klass: str
+    tenant: str | None = None
 
 
 def destination_key(domain: str, route: Route, group_by: str) -> str:

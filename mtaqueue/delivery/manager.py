@@ -81,6 +81,9 @@ class DeliveryManager:
         self.first_class = min(self.classes, key=lambda n: (self.classes[n][0], n))
         now = time.time()
         self.rate = TokenBucket(config.parse_rate(d.max_rate), 1, now) if d.max_rate else None
+        tenant_rate = cfg.shaping.tenant_rate
+        self.tenant_rate = config.parse_rate(tenant_rate) if tenant_rate else 0.0
+        self._tenants: dict[str, TokenBucket] = {}
         self.destinations: dict[str, Destination] = {}
         self.active_workers = 0
         self._overrides: dict[str, Callable[[DestinationShaper, float], None]] = {}
@@ -200,7 +203,9 @@ class DeliveryManager:
         destination.domains.add(domain)
         size = self.cfg.delivery.max_recipients_per_transaction
         for start in range(0, len(indexes), size):
-            item = WorkItem(message.id, indexes[start : start + size], route, message.klass)
+            item = WorkItem(
+                message.id, indexes[start : start + size], route, message.klass, message.tenant
+            )
             destination.queue.push(item, message.klass, message.tenant)
         destination.arrived.set()
         self._pump(destination)
@@ -250,12 +255,18 @@ class DeliveryManager:
     async def _worker(self, destination: Destination, reserved: bool) -> None:
         conn: SmtpConnection | None = None
         try:
+            eligible = self._tenant_ready if self.tenant_rate else None
             while not self._closing:
-                item = destination.queue.pop(first_class_only=reserved)
+                item = destination.queue.pop(first_class_only=reserved, eligible=eligible)
                 if item is None:
+                    if len(destination.queue) and eligible is not None:
+                        await asyncio.sleep(0.1)  # only capped tenants wait: not idle
+                        continue
                     if conn is None or not await self._idle(destination):
                         break
                     continue
+                if item.tenant is not None and self.tenant_rate:
+                    self._tenants[item.tenant].take(time.time())
                 await self._paced(destination)
                 conn = await self._attempt(destination, item, conn)
                 if destination.active > destination.shaper.concurrency.limit:
@@ -267,6 +278,16 @@ class DeliveryManager:
             self.active_workers -= 1
             self._retire(destination)
             self._restaff()
+
+    def _tenant_ready(self, tenant: str | None) -> bool:
+        """Whether a tenant may send now under shaping.tenant_rate."""
+        if tenant is None:
+            return True
+        now = time.time()
+        bucket = self._tenants.get(tenant)
+        if bucket is None:
+            bucket = self._tenants[tenant] = TokenBucket(self.tenant_rate, 1, now)
+        return bucket.wait(now) == 0
 
     async def _idle(self, destination: Destination) -> bool:
         """Keep the connection a moment for more mail; False when none came."""
