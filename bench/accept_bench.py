@@ -112,11 +112,15 @@ def throughput(args, workdir: Path) -> None:
             mq.stop()
         mq_rates.append(args.messages / seconds)
         print(f"round {round_}: mtaqueue {mq_rates[-1]:8.0f} msgs/s", flush=True)
+    print_medians(mq_rates, pf_rates, "msgs/s")
+
+
+def print_medians(mq_rates: list[float], pf_rates: list[float], unit: str) -> None:
     mq_median = statistics.median(mq_rates)
-    print(f"mtaqueue median: {mq_median:.0f} msgs/s")
+    print(f"mtaqueue median: {mq_median:.0f} {unit}")
     if pf_rates:
         pf_median = statistics.median(pf_rates)
-        print(f"postfix median:  {pf_median:.0f} msgs/s")
+        print(f"postfix median:  {pf_median:.0f} {unit}")
         print(f"ratio mtaqueue/postfix: {mq_median / pf_median:.2f}")
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from accept_bench import Mtaqueue
+from accept_bench import Mtaqueue, print_medians
 from postfix_instance import PostfixInstance, SmtpSink, postfix_available, smtp_source
 
 SINK = "127.0.0.1:2700"
@@ -89,12 +88,7 @@ def main() -> None:
                 print(f"round {round_}: mtaqueue {mq_rates[-1]:7.0f} msgs/s", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    mq_median = statistics.median(mq_rates)
-    print(f"mtaqueue median: {mq_median:.0f} msgs/s end to end")
-    if pf_rates:
-        pf_median = statistics.median(pf_rates)
-        print(f"postfix median:  {pf_median:.0f} msgs/s end to end")
-        print(f"ratio mtaqueue/postfix: {mq_median / pf_median:.2f}")
+    print_medians(mq_rates, pf_rates, "msgs/s end to end")
 
 
 if __name__ == "__main__":
