@@ -25,7 +25,16 @@ from mtaqueue.spool.journal import (
     list_segments,
     replay,
 )
-from mtaqueue.spool.records import Delete, JournalState, KeyKept, Put, Record, SnapshotDone
+from mtaqueue.spool.records import (
+    Delete,
+    JournalState,
+    KeyKept,
+    Put,
+    Record,
+    SnapshotDone,
+    Suppress,
+    Unsuppress,
+)
 
 # Few ids and keys, so that sequences update, delete and re-put the same messages.
 IDS = [f"{i:016X}" for i in range(1, 6)]
@@ -344,3 +353,22 @@ def test_a_snapshot_after_forgetting_brings_back_only_stale_keys(recs, t):
     assert rebuilt.messages == state.messages
     rebuilt.forget_keys_before(t)
     assert rebuilt.keys == state.keys
+
+
+def test_suppression_list_survives_replay_and_compaction(tmp_path):
+    writer = JournalWriter(tmp_path)
+    for rec in (
+        Suppress("gone@example.org", 2000.0, "550 5.1.1 user unknown"),
+        Suppress("old@example.org", 500.0, "550 5.1.1 user unknown"),
+        Suppress("back@example.org", 2000.0, "550 5.1.1 user unknown"),
+        Unsuppress("back@example.org"),
+    ):
+        writer.append(encode(rec))
+    state = replay(tmp_path).state
+    assert set(state.suppressed) == {"gone@example.org", "old@example.org"}
+    state.forget_suppressions_before(1000.0)  # old@ ended before then
+    journal.compact(writer, state)
+    writer.close()
+    after = replay(tmp_path).state
+    assert list(after.suppressed) == ["gone@example.org"]
+    assert after.suppressed["gone@example.org"].reason == "550 5.1.1 user unknown"
