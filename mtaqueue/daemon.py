@@ -31,6 +31,7 @@ from .control.suppression import suppression_commands
 from .delivery.manager import DeliveryManager
 from .logs import configure_logging
 from .routing.resolver import Resolver
+from .sdnotify import Notifier
 from .smtp.auth import Credentials, hash_password, load_auth_file
 from .smtp.listener import Listener, ListenerSettings
 from .smtp.server_session import SessionSettings
@@ -158,15 +159,25 @@ class Daemon:
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: log.warning("reload_not_supported"))
         log.info("ready", listen=listener.addresses, version=__version__, pid=os.getpid())
+        notifier = Notifier()
+        notifier.send(
+            "READY=1",
+            f"STATUS=accepting on {', '.join(listener.addresses)};"
+            f" {len(self.spool.messages)} messages queued",
+            f"MAINPID={os.getpid()}",
+        )
+        watchdog = asyncio.create_task(notifier.watchdog())
         sweep = asyncio.create_task(self._sweep())
         free_space = asyncio.create_task(self._watch_free_space())
         await self._stop.wait()
 
         log.info("stopping", grace=self.cfg.spool.shutdown_grace)
+        notifier.send("STOPPING=1", "STATUS=stopping: finishing messages in transfer")
         await listener.close(self.cfg.spool.shutdown_grace)
         await delivery.close(self.cfg.spool.shutdown_grace)
         sweep.cancel()
         free_space.cancel()
+        watchdog.cancel()
         await control.close()
         await self.spool.close()
         log.info("stopped", accepted=listener.accepted)

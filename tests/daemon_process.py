@@ -36,6 +36,7 @@ class DaemonProcess:
             *overrides,
         ]
         self.events: list[dict] = []
+        self.env: dict[str, str] = {}  # added to the daemon's environment
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -47,7 +48,11 @@ class DaemonProcess:
         for item in self.overrides:
             args += ["-o", item]
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.workdir
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=self.workdir,
+            env={**os.environ, **self.env},
         )
         ready = threading.Event()
         threading.Thread(target=self._read_log, args=(self.proc, ready), daemon=True).start()
