@@ -19,6 +19,7 @@ import socket
 import ssl
 import sys
 import time
+from collections.abc import Callable
 
 import structlog
 import uvloop
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = config.load(args.config, args.overrides)
-        daemon = Daemon(cfg)
+        daemon = Daemon(cfg, lambda: config.load(args.config, args.overrides))
     except config.ConfigError as exc:
         print(f"mtaqueue: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -72,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class Daemon:
-    def __init__(self, cfg: config.Config) -> None:
+    def __init__(self, cfg: config.Config, reload: Callable[[], config.Config]) -> None:
         self.cfg = cfg
+        self._load = reload  # reads the config again (SIGHUP)
         self.hostname = cfg.listen.hostname or socket.getfqdn()
         # Everything that can fail on bad settings is built here, before any I/O.
         self.listener_settings = listener_settings(cfg, self.hostname)
@@ -157,7 +159,7 @@ class Daemon:
         self.listener = listener
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: log.warning("reload_not_supported"))
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         log.info("ready", listen=listener.addresses, version=__version__, pid=os.getpid())
         notifier = Notifier()
         notifier.send(
@@ -182,6 +184,37 @@ class Daemon:
         await self.spool.close()
         log.info("stopped", accepted=listener.accepted)
         return self.exit_code
+
+    def reload(self) -> None:
+        """SIGHUP: read the config again and apply what can change without a restart.
+
+        An invalid file is refused (logged) and the running config stays in force.
+        Pacing, classes, retry, reply rules, routes, limits and logging change at once;
+        addresses, paths and delivery.enabled need a restart (logged)."""
+        try:
+            new = self._load()
+            settings = listener_settings(new, self.hostname)
+            self.delivery.reconfigure(new)
+        except config.ConfigError as exc:
+            log.error("reload_failed", error=str(exc))
+            return
+        restart_only = {
+            "listen.address": (self.cfg.listen.address, new.listen.address),
+            "spool.path": (self.cfg.spool.path, new.spool.path),
+            "control.socket": (self.cfg.control.socket, new.control.socket),
+            "metrics.address": (self.cfg.metrics.address, new.metrics.address),
+            "delivery.enabled": (self.cfg.delivery.enabled, new.delivery.enabled),
+            "listen.tls_cert": (self.cfg.listen.tls_cert, new.listen.tls_cert),
+            "listen.auth_file": (self.cfg.listen.auth_file, new.listen.auth_file),
+        }
+        for key, (old, value) in restart_only.items():
+            if old != value:
+                log.warning("reload_needs_restart", key=key)
+        if hasattr(self, "listener"):
+            self.listener.reconfigure(settings)
+        self.cfg = new
+        configure_logging(new.log.level, new.log.format)
+        log.info("reloaded")
 
     def _writer_lost(self) -> None:
         # Without its writer the spool cannot make anything durable: stop, and let

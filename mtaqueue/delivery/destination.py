@@ -47,6 +47,7 @@ class Destination:
         self.key = key
         self.pacing = pacing
         self.shaper = shaper
+        self.classes = classes
         self.queue: FairQueue[WorkItem] = FairQueue(classes)
         self.domains: set[str] = set()
         self.active = 0  # open connections (workers)

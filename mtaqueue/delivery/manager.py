@@ -29,6 +29,7 @@ from ..model import DEFERRED, QUEUED, Message, Recipient
 from ..policy.backoff import RetryPolicy, restart_due
 from ..policy.buckets import TokenBucket
 from ..policy.classify import classify, compile_rules
+from ..policy.fairness import FairQueue
 from ..policy.hosts import HostSuspensions
 from ..policy.replies import Reply
 from ..policy.settle import Result, Settlement, SettleSettings, expire_due, settle
@@ -57,15 +58,32 @@ class DeliveryManager:
         hostname: str,
         rng: random.Random | None = None,
     ) -> None:
-        self.cfg = cfg
         self.spool = spool
         self.resolver = resolver
         self.hostname = hostname
         self.rng = rng or random.Random()
         d = cfg.delivery
-        client = ClientSettings(d.helo_name or hostname, d.timeouts, d.tls)
         self.hosts = HostSuspensions(d.host_suspend, d.host_suspend_max)
-        self.sender = Sender(client, compile_rules(d.rules), self.hosts, d)
+        self._tenants: dict[str, TokenBucket] = {}
+        self.destinations: dict[str, Destination] = {}
+        self.reconfigure(cfg)
+        self.active_workers = 0
+        self._overrides: dict[str, Callable[[DestinationShaper, float], None]] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self._busy: dict[str, set[int]] = {}  # message id -> recipients routed/queued/in transit
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Future] = set()
+        self._closing = False
+
+    def reconfigure(self, cfg: config.Config) -> None:
+        """Take new settings (start, or a reload): may raise ConfigError before changing
+        anything. Destinations keep their state unless their pacing changed."""
+        d = cfg.delivery
+        rules = compile_rules(d.rules)
+        now = time.time()
+        client = ClientSettings(d.helo_name or self.hostname, d.timeouts, d.tls)
+        self.sender = Sender(client, rules, self.hosts, d)
         retry = RetryPolicy.from_config(cfg.retry)
         self.settle_settings = {
             name: SettleSettings(
@@ -79,20 +97,35 @@ class DeliveryManager:
         }
         self.classes = {name: (c.priority, c.weight) for name, c in cfg.classes.items()}
         self.first_class = min(self.classes, key=lambda n: (self.classes[n][0], n))
-        now = time.time()
         self.rate = TokenBucket(config.parse_rate(d.max_rate), 1, now) if d.max_rate else None
         tenant_rate = cfg.shaping.tenant_rate
         self.tenant_rate = config.parse_rate(tenant_rate) if tenant_rate else 0.0
-        self._tenants: dict[str, TokenBucket] = {}
-        self.destinations: dict[str, Destination] = {}
-        self.active_workers = 0
-        self._overrides: dict[str, Callable[[DestinationShaper, float], None]] = {}
-        self._heap: list[tuple[float, int, str]] = []
-        self._seq = itertools.count()
-        self._busy: dict[str, set[int]] = {}  # message id -> recipients routed/queued/in transit
-        self._wake = asyncio.Event()
-        self._tasks: set[asyncio.Future] = set()
-        self._closing = False
+        self.cfg = cfg
+        for destination in self.destinations.values():
+            self._repace(destination, now)
+
+    def _repace(self, destination: Destination, now: float) -> None:
+        """Apply reloaded pacing and classes to a live destination."""
+        domain = min(destination.domains) if destination.domains else destination.key
+        hosts = destination.key.split(":")[0].split(",")
+        pacing = pacing_for(self.cfg.shaping, domain, hosts)
+        if pacing != destination.pacing:
+            destination.pacing = pacing
+            destination.shaper = DestinationShaper(pacing, self.cfg.shaping, now)
+        if destination.classes != self.classes:
+            items = destination.queue.remove(lambda item: True)
+            destination.classes = self.classes
+            destination.queue = FairQueue(self.classes)
+            for item in items:
+                klass = item.klass if item.klass in self.classes else self.first_class
+                destination.queue.push(item, klass, item.tenant)
+
+    def _settings(self, klass: str) -> SettleSettings:
+        # A class removed by a reload: its queued mail follows the default class.
+        return (
+            self.settle_settings.get(klass)
+            or self.settle_settings[self.cfg.submission.default_class]
+        )
 
     # -- life ------------------------------------------------------------------------
 
@@ -154,7 +187,7 @@ class DeliveryManager:
         due = {
             m.id
             for m in self.spool.messages.values()
-            if expire_due(m, now, self.settle_settings[m.klass]) is not None
+            if expire_due(m, now, self._settings(m.klass)) is not None
         }
         if not due:
             return
@@ -163,7 +196,7 @@ class DeliveryManager:
             message = self.spool.messages.get(message_id)
             if message is None or self._busy.get(message_id):
                 continue  # in transit: the next sweep
-            settlement = expire_due(message, now, self.settle_settings[message.klass])
+            settlement = expire_due(message, now, self._settings(message.klass))
             if settlement is not None:
                 self._apply(settlement, now)
 
@@ -206,7 +239,8 @@ class DeliveryManager:
             item = WorkItem(
                 message.id, indexes[start : start + size], route, message.klass, message.tenant
             )
-            destination.queue.push(item, message.klass, message.tenant)
+            klass = message.klass if message.klass in self.classes else self.first_class
+            destination.queue.push(item, klass, message.tenant)
         destination.arrived.set()
         self._pump(destination)
 
@@ -376,7 +410,7 @@ class DeliveryManager:
         if message is None:
             return
         now = time.time()
-        settings = self.settle_settings[message.klass]
+        settings = self._settings(message.klass)
         settlement = settle(message, results, now, self.rng, settings, retry_factor=retry_factor)
         self._apply(settlement, now)
 
