@@ -33,7 +33,7 @@ def test_reload_applies_a_valid_config_and_refuses_an_invalid_one(start_daemon):
         assert client.rcpt("b@example.org")[0] == 452
     assert queued in daemon.messages()  # queue state untouched
 
-    daemon.config_path.write_text('[listen]\naddress = "127.0.0.1:2999"\n')
+    daemon.config_path.write_text('[metrics]\naddress = "127.0.0.1:2999"\n')
     daemon.proc.send_signal(signal.SIGHUP)
     warned = wait_for(
         lambda: [e for e in daemon.events if e.get("event") == "reload_needs_restart"],

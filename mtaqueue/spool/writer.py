@@ -219,10 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dedupe-window", type=float, required=True)
     args = parser.parse_args(argv)
     # The daemon ends us by closing the socket, after its last batch: a signal
-    # meant for the daemon (Ctrl-C, systemd's SIGTERM to the group) must not
-    # cut a round in half.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # meant for the daemon (Ctrl-C, a reload's SIGHUP, systemd's SIGTERM to the
+    # group) must not cut a round in half.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
     writer = SpoolWriter(
         Path(args.root), compact_size=args.compact_size, dedupe_window=args.dedupe_window

@@ -1,0 +1,216 @@
+"""Alert rules over the queue's measurements (pure): which conditions hold, and when they
+start and stop holding.
+
+The daemon measures the queue every so often (a `Snapshot`, see `metrics.Metrics.snapshot`)
+and passes it with the time. `Alerts.evaluate` answers with one `alert` event for each
+condition that started holding ("firing") or stopped ("cleared") since the previous call,
+never in between, so a log shows each incident exactly twice. `active()` lists the firing
+ones for the mtaqueue_alert_active gauge.
+
+Rules are msgspec structs the config embeds, picked by `type`; a rule names one subject or
+"*" for each subject the snapshot has:
+- oldest_age: the oldest waiting message of a class is older than `over`.
+- deferral_rate: over the last `window`, more than `over` (a fraction) of a destination's
+  attempts were answered 4xx or not at all, out of at least `min_attempts` attempts. The
+  snapshot carries cumulative counters and the rate is their increase over the window, as
+  Prometheus' increase() does, so the rate needs no per-attempt history here.
+- depth_growing: a destination's pending recipients have not gone down for `for`, and are
+  now more than at the start of that time and more than `over`. Sampled at each
+  evaluation, so arrivals and deliveries within one interval net out.
+- spool_free: the spool's free space is under `under`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+
+FIRING = "firing"
+CLEARED = "cleared"
+
+
+class _Rule(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"
+):
+    name: str = ""  # in events and the gauge; "" = the rule's type
+
+
+class OldestAge(_Rule, frozen=True, kw_only=True, tag="oldest_age"):
+    klass: str = msgspec.field(name="class")  # "*" = each class
+    over: config.Duration
+
+
+class DeferralRate(_Rule, frozen=True, kw_only=True, tag="deferral_rate"):
+    destination: str = "*"
+    over: Annotated[float, msgspec.Meta(ge=0, le=1)]
+    window: config.Duration
+    # A handful of attempts says little: 1 deferral out of 1 is not a 100% problem.
+    min_attempts: Annotated[int, msgspec.Meta(ge=1)] = 10
+
+
+class DepthGrowing(_Rule, frozen=True, kw_only=True, tag="depth_growing"):
+    destination: str = "*"
+    period: config.Duration = msgspec.field(name="for")
+    over: Annotated[int, msgspec.Meta(ge=0)] = 0  # and only above this depth
+
+
+class SpoolFree(_Rule, frozen=True, kw_only=True, tag="spool_free"):
+    under: config.Size
+
+
+AlertRule = OldestAge | DeferralRate | DepthGrowing | SpoolFree
+
+
+@dataclass(frozen=True, slots=True)
+class DestinationStats:
+    depth: int  # pending recipients: queued or deferred, not held
+    attempts: int  # attempts counted so far; may start over from 0 (then it is a new count)
+    deferrals: int  # of those, answered 4xx or not at all
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    oldest: Mapping[str, float]  # class -> age in seconds of its oldest waiting message
+    destinations: Mapping[str, DestinationStats]
+    spool_free: int  # bytes
+
+
+@dataclass(slots=True)
+class _Growth:
+    since: float  # when the depth last went down (or was first seen)
+    base: int  # the depth then
+    last: int  # the depth at the latest evaluation
+
+
+# (time, attempts, deferrals) samples of one destination's counters.
+_History = deque[tuple[float, int, int]]
+# subject -> (value, whether the condition holds)
+_Measured = dict[str, tuple[float, bool]]
+
+
+def rule_name(rule: AlertRule) -> str:
+    return rule.name or type(rule).__struct_config__.tag
+
+
+class Alerts:
+    def __init__(self, rules: Sequence[AlertRule]) -> None:
+        self.rules = tuple(rules)
+        # Counter samples are kept as far back as the longest window needs.
+        self._horizon = max((r.window for r in rules if isinstance(r, DeferralRate)), default=0)
+        self._tracks_depth = any(isinstance(r, DepthGrowing) for r in rules)
+        self._firing: set[tuple[int, str]] = set()  # (rule index, subject)
+        self._counts: dict[str, _History] = {}
+        self._growth: dict[str, _Growth] = {}
+
+    def active(self) -> list[tuple[str, str]]:
+        """(alert name, subject) of every firing alert."""
+        return sorted({(rule_name(self.rules[i]), subject) for i, subject in self._firing})
+
+    def evaluate(self, now: float, snapshot: Snapshot) -> list[dict]:
+        """The `alert` events of the conditions that started or stopped holding."""
+        self._record(now, snapshot)
+        events = []
+        for i, rule in enumerate(self.rules):
+            threshold, measured = self._measure(rule, now, snapshot)
+            # A subject gone from the snapshot (a destination with nothing left) clears.
+            was_firing = {subject for j, subject in self._firing if j == i}
+            for subject in sorted(measured.keys() | was_firing):
+                value, holds = measured.get(subject, (0, False))
+                if holds == (subject in was_firing):
+                    continue
+                if holds:
+                    self._firing.add((i, subject))
+                else:
+                    self._firing.discard((i, subject))
+                events.append(
+                    {
+                        "event": "alert",
+                        "name": rule_name(rule),
+                        "state": FIRING if holds else CLEARED,
+                        "subject": subject,
+                        "value": value,
+                        "threshold": threshold,
+                    }
+                )
+        return events
+
+    def _record(self, now: float, snapshot: Snapshot) -> None:
+        destinations = snapshot.destinations
+        if self._horizon:
+            for name, stats in destinations.items():
+                history = self._counts.get(name)
+                if history is None or stats.attempts < history[-1][1]:
+                    # New or started over: everything counted so far is recent.
+                    history = self._counts[name] = deque([(now, 0, 0)])
+                history.append((now, stats.attempts, stats.deferrals))
+                # Keep one sample at or before the longest window's start, as its base.
+                while len(history) > 1 and history[1][0] <= now - self._horizon:
+                    history.popleft()
+            for name in self._counts.keys() - destinations.keys():
+                del self._counts[name]
+        if self._tracks_depth:
+            for name, stats in destinations.items():
+                growth = self._growth.get(name)
+                if growth is None or stats.depth < growth.last:
+                    self._growth[name] = _Growth(now, stats.depth, stats.depth)
+                else:
+                    growth.last = stats.depth
+            for name in self._growth.keys() - destinations.keys():
+                del self._growth[name]
+
+    def _measure(self, rule: AlertRule, now: float, snapshot: Snapshot) -> tuple[float, _Measured]:
+        """The rule's threshold, and each subject's value and whether the rule holds."""
+        measured: _Measured = {}
+        match rule:
+            case OldestAge():
+                classes = snapshot.oldest if rule.klass == "*" else (rule.klass,)
+                for klass in classes:
+                    age = snapshot.oldest.get(klass, 0.0)
+                    measured[klass] = (round(age, 1), age > rule.over)
+                return rule.over, measured
+            case DeferralRate():
+                for name in _subjects(rule.destination, self._counts):
+                    attempts, deferrals = _increase(self._counts[name], now - rule.window)
+                    rate = deferrals / attempts if attempts else 0.0
+                    holds = attempts >= rule.min_attempts and rate > rule.over
+                    measured[name] = (round(rate, 3), holds)
+                return rule.over, measured
+            case DepthGrowing():
+                for name in _subjects(rule.destination, self._growth):
+                    growth = self._growth[name]
+                    grew = growth.last > growth.base
+                    seconds = now - growth.since if grew else 0.0
+                    holds = grew and growth.last > rule.over and seconds >= rule.period
+                    measured[name] = (round(seconds, 1), holds)
+                return rule.period, measured
+            case SpoolFree():
+                free = snapshot.spool_free
+                return rule.under, {"spool": (free, free < rule.under)}
+
+
+def _subjects(pattern: str, known: Mapping[str, object]) -> list[str]:
+    if pattern == "*":
+        return list(known)
+    return [pattern] if pattern in known else []
+
+
+def _increase(history: _History, start: float) -> tuple[int, int]:
+    """Attempts and deferrals counted since `start`: from the latest sample at or before it
+    (or the oldest there is) to the newest."""
+    base = history[0]
+    for sample in history:
+        if sample[0] > start:
+            break
+        base = sample
+    newest = history[-1]
+    return newest[1] - base[1], newest[2] - base[2]
+
+
+# Last, after the rule types exist: config.py embeds them (`from .alerts import AlertRule`)
+# while their fields use its units, resolved only when a config is decoded. Imported at the
+# top, a first import of this module would re-enter it half-defined through config.py.
+from . import config  # noqa: E402

@@ -1,0 +1,367 @@
+"""Prometheus metrics, and the queue measurements that alerts are judged on.
+
+Events (a delivery attempt, a new connection) are counted as they happen, through calls
+from the daemon. State (the queue, each destination's pacing, the spool) is read when it
+is scraped, through the `Sources` callables, so a scrape shows the present and nothing has
+to be kept in step by hand. The registry is our own, not prometheus_client's global one.
+
+Label sets stay bounded: the `top_n` destinations by pending recipients (then by attempts)
+keep their names and the rest are summed into "other". The ranking is redone each time
+the queue is measured (a scrape, an alert evaluation), and an attempt is counted under
+the name its destination has at that moment. The trade-off: when a destination drops out
+of the top N its counter and histogram series are removed, so they start from zero if it
+comes back (rate() reads that as a counter reset) and what it did meanwhile is in "other".
+Bounded memory and cardinality, at the cost of exact history per destination, which the
+`delivery` log events keep anyway.
+
+A recipient's destination is the scheduler's (its MX host set) when known: from a live
+destination, else learned from the latest attempt. Mail not routed yet counts under its
+domain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
+
+from .alerts import DestinationStats, Snapshot
+from .control.views import recipient_state
+from .model import DEFERRED, QUEUED, Message
+from .policy.breaker import CLOSED, HALF_OPEN, OPEN
+from .policy.classify import DELIVERED
+
+log = structlog.get_logger("metrics")
+
+OTHER = "other"
+PENDING = (QUEUED, DEFERRED)
+DEFERRALS = ("4xx", "none")  # as the scheduler's deferral rate: no reply counts as a 4xx
+CIRCUIT_STATES = (CLOSED, OPEN, HALF_OPEN)
+# From arrival to delivery: a good day is seconds, a bad one the retry ladder, up to the
+# 5-day lifetime.
+DELIVERY_BUCKETS = (1, 5, 15, 60, 300, 900, 1800, 3600, 14400, 43200, 86400, 172800, 432000)
+# Connect plus greeting: loopback to a tarpit; the greeting timeout is 5 minutes.
+CONNECT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+REQUEST_TIMEOUT = 10.0  # seconds for a scraper to send its request head
+
+
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """Where the state is read, at scrape time, on the event loop."""
+
+    messages: Callable[[], Iterable[Message]]  # the queue (Spool.messages.values)
+    destinations: Callable[[], Iterable[Mapping[str, Any]]]  # DeliveryManager.domains
+    dns: Callable[[], tuple[int, int]]  # the DNS cache's (hits, misses)
+    free_bytes: Callable[[], int]  # on the spool's file system
+    journal_bytes: Callable[[], int]
+    alerts: Callable[[], Iterable[tuple[str, str]]]  # firing (alert, subject): Alerts.active
+
+
+@dataclass(slots=True)
+class _Shape:
+    """The queue measured once, by the scheduler's destination names (not bounded)."""
+
+    destinations: list[Mapping[str, Any]]  # the scheduler's snapshots
+    recipients: Tally[tuple[str, str, str]] = field(default_factory=Tally)  # dest, class, state
+    depth: Tally[str] = field(default_factory=Tally)  # destination -> pending recipients
+    messages: Tally[str] = field(default_factory=Tally)  # class -> messages
+    # class -> when the oldest message with recipients waiting (not held) arrived
+    oldest: dict[str, float] = field(default_factory=dict)
+
+
+class Metrics:
+    def __init__(
+        self,
+        sources: Sources,
+        *,
+        top_n: int = 20,
+        classes: Sequence[str] = (),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.sources = sources
+        self.top_n = top_n
+        self.classes = tuple(classes)  # always shown, so an empty class reads 0, not absent
+        self._clock = clock
+        self.registry = CollectorRegistry()
+        self._attempts = Counter(
+            "mtaqueue_delivery_attempts",
+            "Delivery attempts per recipient, by destination, reply class, kind and outcome",
+            ("destination", "reply", "kind", "outcome"),
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "mtaqueue_delivery_latency_seconds",
+            "Time from acceptance to delivery of a recipient, by class",
+            ("class",),
+            buckets=DELIVERY_BUCKETS,
+            registry=self.registry,
+        )
+        self._connect = Histogram(
+            "mtaqueue_connect_seconds",
+            "TCP connect plus the server's greeting of a new connection, by destination",
+            ("destination",),
+            buckets=CONNECT_BUCKETS,
+            registry=self.registry,
+        )
+        self._top: frozenset[str] = frozenset()
+        # destination label -> the counter/histogram series it has, to remove them together
+        self._series: dict[str, set[tuple[MetricWrapperBase, tuple[str, ...]]]] = {}
+        self._routes: dict[str, str] = {}  # recipient domain -> destination, from attempts
+        self._replies: dict[str, list[int]] = {}  # destination -> [attempts, deferrals]
+        self.registry.register(self)
+
+    # -- events ----------------------------------------------------------------------------
+
+    def observe_delivery(self, event: Mapping[str, Any]) -> None:
+        """Count a `delivery` event (policy/settle.py) that also has `destination` and
+        `class`."""
+        destination = event["destination"]
+        code = event["code"]
+        reply = f"{code // 100}xx" if code else "none"
+        self._routes[event["domain"]] = destination
+        counts = self._replies.setdefault(destination, [0, 0])
+        counts[0] += 1
+        if reply in DEFERRALS:
+            counts[1] += 1
+        label = self._label(destination)
+        self._add(label, self._attempts, (label, reply, event["kind"], event["outcome"])).inc()
+        if event["outcome"] == DELIVERED:
+            self._latency.labels(event["class"]).observe(event["age"])
+
+    def observe_connect(self, destination: str, seconds: float) -> None:
+        """A new connection's connect plus greeting time."""
+        label = self._label(destination)
+        self._add(label, self._connect, (label,)).observe(seconds)
+
+    def _label(self, destination: str) -> str:
+        return destination if destination in self._top else OTHER
+
+    def _add(self, label: str, metric: MetricWrapperBase, values: tuple[str, ...]) -> Any:
+        self._series.setdefault(label, set()).add((metric, values))
+        return metric.labels(*values)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def snapshot(self, now: float) -> Snapshot:
+        """The queue measured for `alerts.Alerts.evaluate`, every destination by name."""
+        shape = self._measure()
+        names = shape.depth.keys() | self._replies.keys()
+        return Snapshot(
+            oldest={klass: now - created for klass, created in shape.oldest.items()},
+            destinations={
+                name: DestinationStats(shape.depth[name], *self._replies.get(name, (0, 0)))
+                for name in names
+            },
+            spool_free=self.sources.free_bytes(),
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        """The state families, read now (the registry calls this on each scrape)."""
+        shape = self._measure()
+        now = self._clock()
+        recipients = GaugeMetricFamily(
+            "mtaqueue_queue_recipients",
+            "Recipients of queued messages, by destination, class and state",
+            labels=("destination", "class", "state"),
+        )
+        bounded: Tally[tuple[str, str, str]] = Tally()
+        for (destination, klass, state), count in shape.recipients.items():
+            bounded[self._label(destination), klass, state] += count
+        for labels, count in sorted(bounded.items()):
+            recipients.add_metric(labels, count)
+        yield recipients
+        messages = GaugeMetricFamily(
+            "mtaqueue_queue_messages", "Messages in the queue, by class", labels=("class",)
+        )
+        oldest = GaugeMetricFamily(
+            "mtaqueue_queue_oldest_age_seconds",
+            "Age of the oldest message with recipients waiting (not held), by class",
+            labels=("class",),
+        )
+        for klass in sorted(set(self.classes) | shape.messages.keys()):
+            messages.add_metric((klass,), shape.messages[klass])
+            created = shape.oldest.get(klass)
+            oldest.add_metric((klass,), 0.0 if created is None else now - created)
+        yield messages
+        yield oldest
+        yield from self._pacing(shape.destinations)
+        hits, misses = self.sources.dns()
+        dns = CounterMetricFamily(
+            "mtaqueue_dns_cache_lookups", "DNS cache lookups, by result", labels=("result",)
+        )
+        dns.add_metric(("hit",), hits)
+        dns.add_metric(("miss",), misses)
+        yield dns
+        yield GaugeMetricFamily(
+            "mtaqueue_spool_free_bytes",
+            "Free space on the spool's file system",
+            value=self.sources.free_bytes(),
+        )
+        yield GaugeMetricFamily(
+            "mtaqueue_spool_journal_bytes",
+            "Size of the state journal",
+            value=self.sources.journal_bytes(),
+        )
+        alerts = GaugeMetricFamily(
+            "mtaqueue_alert_active", "1 while an alert fires", labels=("alert", "subject")
+        )
+        for name, subject in sorted(set(self.sources.alerts())):
+            alerts.add_metric((name, subject), 1)
+        yield alerts
+
+    def _pacing(self, destinations: list[Mapping[str, Any]]) -> Iterator[Metric]:
+        """Each destination's shaper. Connections and limits sum into "other"; rates and
+        states are shown for the top destinations only (a sum of them means nothing), and
+        counted over all by mode and circuit state."""
+        connections = GaugeMetricFamily(
+            "mtaqueue_destination_connections",
+            "Open delivery connections, by destination",
+            labels=("destination",),
+        )
+        limit = GaugeMetricFamily(
+            "mtaqueue_destination_connection_limit",
+            "Adaptive concurrency limit, by destination",
+            labels=("destination",),
+        )
+        rate = GaugeMetricFamily(
+            "mtaqueue_destination_rate_limit_messages_per_second",
+            "Message rate limit in force, backoff included; 0 = none (top destinations)",
+            labels=("destination",),
+        )
+        stage = GaugeMetricFamily(
+            "mtaqueue_destination_backoff_stage",
+            "Backoff mode stage, 0 = normal (top destinations)",
+            labels=("destination",),
+        )
+        circuit = GaugeMetricFamily(
+            "mtaqueue_destination_circuit_state",
+            "1 for the circuit breaker's current state (top destinations)",
+            labels=("destination", "state"),
+        )
+        count = GaugeMetricFamily(
+            "mtaqueue_destinations",
+            "Destinations the scheduler tracks, by backoff mode and circuit state",
+            labels=("mode", "circuit"),
+        )
+        active: Tally[str] = Tally()
+        limits: Tally[str] = Tally()
+        states: Tally[tuple[str, str]] = Tally()
+        for d in destinations:
+            name = self._label(d["destination"])
+            active[name] += d["active"]
+            limits[name] += d["limit"]
+            states[d["mode"], d["circuit"]] += 1
+            if name != OTHER:
+                rate.add_metric((name,), d["messages_per_minute"] / 60)
+                stage.add_metric((name,), d["stage"])
+                for state in CIRCUIT_STATES:
+                    circuit.add_metric((name, state), float(d["circuit"] == state))
+        for name in sorted(active):
+            connections.add_metric((name,), active[name])
+            limit.add_metric((name,), limits[name])
+        for labels, n in sorted(states.items()):
+            count.add_metric(labels, n)
+        yield from (connections, limit, rate, stage, circuit, count)
+
+    def _measure(self) -> _Shape:
+        """Walk the queue once; rank the destinations; forget what nothing refers to."""
+        shape = _Shape(list(self.sources.destinations()))
+        routes = dict(self._routes)
+        for d in shape.destinations:
+            for domain in d["domains"]:
+                routes[domain] = d["destination"]
+        waiting_domains: set[str] = set()
+        for message in self.sources.messages():
+            klass = message.klass
+            shape.messages[klass] += 1
+            waiting = False
+            for rcpt in message.recipients:
+                state = recipient_state(message, rcpt)
+                domain = rcpt.address.rpartition("@")[2].lower()  # as the delivery event
+                destination = routes.get(domain, domain)
+                shape.recipients[destination, klass, state] += 1
+                if state in PENDING:
+                    shape.depth[destination] += 1
+                    waiting_domains.add(domain)
+                    waiting = True
+            if waiting and message.created < shape.oldest.get(klass, math.inf):
+                shape.oldest[klass] = message.created
+        self._rank(shape)
+        live = {d["destination"] for d in shape.destinations}
+        self._routes = {d: n for d, n in self._routes.items() if d in waiting_domains}
+        self._replies = {
+            name: counts
+            for name, counts in self._replies.items()
+            if name in self._top or name in live or shape.depth[name]
+        }
+        return shape
+
+    def _rank(self, shape: _Shape) -> None:
+        """The top N by pending recipients; attempts break ties and fill the rest, so a busy
+        destination that drains fast keeps its name."""
+        names = shape.depth.keys() | self._replies.keys()
+
+        def weight(name: str) -> tuple[int, int, str]:
+            return -shape.depth[name], -self._replies.get(name, (0,))[0], name
+
+        top = frozenset(sorted(names, key=weight)[: self.top_n])
+        for label in self._top - top:
+            for metric, values in self._series.pop(label, ()):
+                metric.remove(*values)
+        self._top = top
+
+
+async def serve(metrics: Metrics, host: str, port: int) -> asyncio.Server:
+    """Serve GET /metrics on host:port only: HTTP/1.0, one request per connection. On the
+    event loop rather than prometheus_client's WSGI thread, because the sources read the
+    loop's state (the queue, the shapers), which is not thread-safe."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
+            writer.write(_answer(metrics, head))
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass  # no complete request head: nothing to answer
+        except ConnectionError:
+            pass  # the scraper hung up
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)
+
+
+def _answer(metrics: Metrics, head: bytes) -> bytes:
+    method, _, rest = head.partition(b" ")
+    path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
+    if method != b"GET" or path != b"/metrics":
+        return _response("404 Not Found", "text/plain; charset=utf-8", b"not found\n")
+    try:
+        body = generate_latest(metrics.registry)
+    except Exception:  # a failing source must not cost the scraper its answer
+        log.exception("metrics_failed")
+        return _response("500 Internal Server Error", "text/plain; charset=utf-8", b"failed\n")
+    return _response("200 OK", CONTENT_TYPE_LATEST, body)
+
+
+def _response(status: str, content_type: str, body: bytes) -> bytes:
+    head = (
+        f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body

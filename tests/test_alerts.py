@@ -1,0 +1,203 @@
+"""Alert rules (mtaqueue.alerts): each incident is logged once when it starts, once when it
+clears."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mtaqueue import config
+from mtaqueue.alerts import (
+    CLEARED,
+    FIRING,
+    AlertRule,
+    Alerts,
+    DeferralRate,
+    DepthGrowing,
+    DestinationStats,
+    OldestAge,
+    Snapshot,
+    SpoolFree,
+)
+
+GIB = 2**30
+
+
+def snap(oldest=None, destinations=None, free=10 * GIB) -> Snapshot:
+    return Snapshot(oldest or {}, destinations or {}, free)
+
+
+def stats(depth=0, attempts=0, deferrals=0) -> DestinationStats:
+    return DestinationStats(depth, attempts, deferrals)
+
+
+def states(events: list[dict]) -> list[tuple[str, str, str]]:
+    return [(e["name"], e["subject"], e["state"]) for e in events]
+
+
+def test_oldest_age_fires_once_and_clears_once():
+    alerts = Alerts([OldestAge(klass="p0", over=900.0)])
+    assert alerts.evaluate(0, snap({"p0": 100.0})) == []
+    [event] = alerts.evaluate(10, snap({"p0": 901.0, "p1": 5000.0}))
+    assert event == {
+        "event": "alert",
+        "name": "oldest_age",
+        "state": FIRING,
+        "subject": "p0",
+        "value": 901.0,
+        "threshold": 900.0,
+    }
+    assert alerts.active() == [("oldest_age", "p0")]
+    assert alerts.evaluate(20, snap({"p0": 2000.0})) == []  # still firing: no repeat
+    [event] = alerts.evaluate(30, snap({}))  # the old message left
+    assert (event["state"], event["value"]) == (CLEARED, 0)
+    assert alerts.active() == []
+    assert alerts.evaluate(40, snap({})) == []
+
+
+def test_a_star_rule_covers_each_subject_and_a_name_replaces_the_type():
+    alerts = Alerts([OldestAge(name="stale", klass="*", over=60.0)])
+    events = alerts.evaluate(0, snap({"p0": 61.0, "p1": 10.0, "p2": 3600.0}))
+    assert states(events) == [("stale", "p0", FIRING), ("stale", "p2", FIRING)]
+    assert alerts.active() == [("stale", "p0"), ("stale", "p2")]
+
+
+def test_deferral_rate_over_the_window():
+    alerts = Alerts([DeferralRate(over=0.5, window=600.0, min_attempts=10)])
+    gmail = "gmail-smtp-in.l.google.com"
+    assert alerts.evaluate(0, snap(destinations={gmail: stats(5, 0, 0)})) == []
+    # 20 attempts, 8 deferred: 40%
+    assert alerts.evaluate(60, snap(destinations={gmail: stats(5, 20, 8)})) == []
+    # 40 attempts, 28 deferred over the window: 70%
+    [event] = alerts.evaluate(120, snap(destinations={gmail: stats(5, 40, 28)}))
+    assert (event["subject"], event["state"], event["value"]) == (gmail, FIRING, 0.7)
+    assert event["threshold"] == 0.5
+    assert alerts.evaluate(300, snap(destinations={gmail: stats(5, 50, 35)})) == []  # no repeat
+    # At 720 the window starts after 120: 20 attempts since, 2 deferred.
+    [event] = alerts.evaluate(720, snap(destinations={gmail: stats(5, 60, 30)}))
+    assert (event["state"], event["value"]) == (CLEARED, 0.1)
+
+
+def test_deferral_rate_needs_enough_attempts():
+    alerts = Alerts([DeferralRate(destination="example.org", over=0.5, window=600.0)])
+    assert alerts.evaluate(0, snap(destinations={"example.org": stats(1, 3, 3)})) == []
+    events = alerts.evaluate(60, snap(destinations={"example.org": stats(1, 12, 12)}))
+    assert states(events) == [("deferral_rate", "example.org", FIRING)]
+
+
+def test_deferral_rate_counts_a_new_destination_from_zero_and_survives_a_reset():
+    alerts = Alerts([DeferralRate(over=0.5, window=600.0)])
+    # First seen with 10 attempts already made: all of them are recent.
+    [event] = alerts.evaluate(0, snap(destinations={"a": stats(1, 10, 9)}))
+    assert event["state"] == FIRING
+    # The counters started over (metrics forgot the destination): a new count, not negative.
+    assert alerts.evaluate(60, snap(destinations={"a": stats(1, 12, 12)})) == []
+    [event] = alerts.evaluate(120, snap(destinations={"a": stats(1, 3, 0)}))
+    assert event["state"] == CLEARED  # 3 attempts since the restart: too few to tell
+
+
+def test_a_destination_that_leaves_the_snapshot_clears():
+    alerts = Alerts([DeferralRate(over=0.5, window=600.0)])
+    alerts.evaluate(0, snap(destinations={"a": stats(1, 10, 10)}))
+    assert alerts.active() == [("deferral_rate", "a")]
+    [event] = alerts.evaluate(60, snap())
+    assert (event["subject"], event["state"], event["value"]) == ("a", CLEARED, 0)
+
+
+def test_depth_growing_for_a_period():
+    alerts = Alerts([DepthGrowing(destination="*", period=1800.0, over=10)])
+    for minute, depth in enumerate([5, 8, 8, 20, 30]):
+        assert alerts.evaluate(minute * 60, snap(destinations={"d": stats(depth)})) == []
+    [event] = alerts.evaluate(1800, snap(destinations={"d": stats(40)}))
+    assert event == {
+        "event": "alert",
+        "name": "depth_growing",
+        "state": FIRING,
+        "subject": "d",
+        "value": 1800.0,
+        "threshold": 1800.0,
+    }
+    assert alerts.evaluate(1860, snap(destinations={"d": stats(40)})) == []  # flat: still on
+    [event] = alerts.evaluate(1920, snap(destinations={"d": stats(39)}))  # went down
+    assert event["state"] == CLEARED
+
+
+def test_depth_growing_needs_growth_and_the_minimum_depth():
+    flat = Alerts([DepthGrowing(period=60.0)])
+    for t in (0, 60, 120):
+        assert flat.evaluate(t, snap(destinations={"d": stats(50)})) == []
+    small = Alerts([DepthGrowing(period=60.0, over=10)])
+    for t, depth in ((0, 1), (60, 5), (120, 9)):
+        assert small.evaluate(t, snap(destinations={"d": stats(depth)})) == []
+
+
+def test_spool_free():
+    alerts = Alerts([SpoolFree(under=GIB)])
+    assert alerts.evaluate(0, snap(free=2 * GIB)) == []
+    [event] = alerts.evaluate(1, snap(free=GIB - 1))
+    assert (event["subject"], event["value"], event["threshold"]) == ("spool", GIB - 1, GIB)
+    [event] = alerts.evaluate(2, snap(free=GIB))
+    assert event["state"] == CLEARED
+
+
+def test_rules_decode_from_the_config_with_its_units():
+    raw = [
+        {"type": "oldest_age", "class": "p0", "over": "15m"},
+        {"type": "deferral_rate", "over": 0.3, "window": "10m", "name": "gmail_4xx"},
+        {"type": "depth_growing", "destination": "mx.example", "for": "30m", "over": 100},
+        {"type": "spool_free", "under": "1GiB"},
+    ]
+    rules = config._convert(raw, list[AlertRule], "alerts.rules")
+    assert rules == [
+        OldestAge(klass="p0", over=900.0),
+        DeferralRate(name="gmail_4xx", over=0.3, window=600.0),
+        DepthGrowing(destination="mx.example", period=1800.0, over=100),
+        SpoolFree(under=GIB),
+    ]
+    with pytest.raises(config.ConfigError, match=r"alerts\.rules\[0\]\.over: expected float"):
+        config._convert(
+            [{"type": "deferral_rate", "over": 2, "window": "1m"}], list[AlertRule], "alerts.rules"
+        )
+    with pytest.raises(config.ConfigError, match=r"alerts\.rules\[0\]\.klass: unknown key"):
+        config._convert(
+            [{"type": "oldest_age", "klass": "p0", "over": 1}], list[AlertRule], "alerts.rules"
+        )
+
+
+# -- any sequence of snapshots: firing and cleared alternate, and active() agrees ------------
+
+RULES = [
+    OldestAge(klass="*", over=100.0),
+    OldestAge(name="p0_stale", klass="p0", over=10.0),
+    DeferralRate(over=0.5, window=120.0, min_attempts=3),
+    DeferralRate(name="a_4xx", destination="a", over=0.2, window=30.0, min_attempts=1),
+    DepthGrowing(period=60.0, over=2),
+    SpoolFree(under=100),
+]
+
+
+@st.composite
+def snapshots(draw) -> Snapshot:
+    oldest = draw(st.dictionaries(st.sampled_from(["p0", "p1"]), st.floats(0, 300)))
+    destinations = {}
+    for name in draw(st.sets(st.sampled_from(["a", "b", "c"]))):
+        attempts = draw(st.integers(0, 50))
+        deferrals = draw(st.integers(0, attempts))
+        destinations[name] = stats(draw(st.integers(0, 20)), attempts, deferrals)
+    return Snapshot(oldest, destinations, draw(st.integers(0, 200)))
+
+
+@given(st.lists(st.tuples(st.floats(1, 90), snapshots()), max_size=40))
+def test_alerts_alternate_firing_and_cleared(steps):
+    alerts = Alerts(RULES)
+    last: dict[tuple[str, str], str] = {}
+    now = 0.0
+    for step, snapshot in steps:
+        now += step
+        for event in alerts.evaluate(now, snapshot):
+            key = (event["name"], event["subject"])
+            expected = CLEARED if last.get(key) == FIRING else FIRING
+            assert event["state"] == expected, (key, event)
+            last[key] = event["state"]
+        assert alerts.active() == sorted(k for k, state in last.items() if state == FIRING)
