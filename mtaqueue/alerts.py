@@ -43,6 +43,10 @@ class OldestAge(_Rule, frozen=True, kw_only=True, tag="oldest_age"):
     klass: str = msgspec.field(name="class")  # "*" = each class
     over: config.Duration
 
+    @property
+    def threshold(self) -> float:
+        return self.over
+
 
 class DeferralRate(_Rule, frozen=True, kw_only=True, tag="deferral_rate"):
     destination: str = "*"
@@ -51,15 +55,27 @@ class DeferralRate(_Rule, frozen=True, kw_only=True, tag="deferral_rate"):
     # A handful of attempts says little: 1 deferral out of 1 is not a 100% problem.
     min_attempts: Annotated[int, msgspec.Meta(ge=1)] = 10
 
+    @property
+    def threshold(self) -> float:
+        return self.over
+
 
 class DepthGrowing(_Rule, frozen=True, kw_only=True, tag="depth_growing"):
     destination: str = "*"
     period: config.Duration = msgspec.field(name="for")
     over: Annotated[int, msgspec.Meta(ge=0)] = 0  # and only above this depth
 
+    @property
+    def threshold(self) -> float:
+        return self.period
+
 
 class SpoolFree(_Rule, frozen=True, kw_only=True, tag="spool_free"):
     under: config.Size
+
+    @property
+    def threshold(self) -> float:
+        return self.under
 
 
 AlertRule = OldestAge | DeferralRate | DepthGrowing | SpoolFree
@@ -98,44 +114,51 @@ def rule_name(rule: AlertRule) -> str:
 
 class Alerts:
     def __init__(self, rules: Sequence[AlertRule]) -> None:
-        self.rules = tuple(rules)
-        # Counter samples are kept as far back as the longest window needs.
-        self._horizon = max((r.window for r in rules if isinstance(r, DeferralRate)), default=0)
-        self._tracks_depth = any(isinstance(r, DepthGrowing) for r in rules)
-        self._firing: set[tuple[int, str]] = set()  # (rule index, subject)
+        self._firing: set[tuple[AlertRule, str]] = set()  # (rule, subject)
         self._counts: dict[str, _History] = {}
         self._growth: dict[str, _Growth] = {}
+        self.reconfigure(rules)
+
+    def reconfigure(self, rules: Sequence[AlertRule]) -> list[dict]:
+        """Take new rules (a reload). A rule that stays keeps its alerts firing, without a
+        new event; the alerts of a rule that is gone clear now: their events."""
+        self.rules = tuple(dict.fromkeys(rules))  # a rule given twice is one rule
+        # Counter samples are kept as far back as the longest window needs.
+        windows = [r.window for r in self.rules if isinstance(r, DeferralRate)]
+        self._horizon = max(windows, default=0.0)
+        self._tracks_depth = any(isinstance(r, DepthGrowing) for r in self.rules)
+        if not self._horizon:
+            self._counts.clear()
+        if not self._tracks_depth:
+            self._growth.clear()
+        gone = sorted(
+            ((rule, subject) for rule, subject in self._firing if rule not in self.rules),
+            key=lambda key: (rule_name(key[0]), key[1]),
+        )
+        self._firing.difference_update(gone)
+        return [_event(rule, subject, CLEARED, 0) for rule, subject in gone]
 
     def active(self) -> list[tuple[str, str]]:
         """(alert name, subject) of every firing alert."""
-        return sorted({(rule_name(self.rules[i]), subject) for i, subject in self._firing})
+        return sorted({(rule_name(rule), subject) for rule, subject in self._firing})
 
     def evaluate(self, now: float, snapshot: Snapshot) -> list[dict]:
         """The `alert` events of the conditions that started or stopped holding."""
         self._record(now, snapshot)
         events = []
-        for i, rule in enumerate(self.rules):
-            threshold, measured = self._measure(rule, now, snapshot)
+        for rule in self.rules:
+            measured = self._measure(rule, now, snapshot)
             # A subject gone from the snapshot (a destination with nothing left) clears.
-            was_firing = {subject for j, subject in self._firing if j == i}
+            was_firing = {subject for r, subject in self._firing if r == rule}
             for subject in sorted(measured.keys() | was_firing):
                 value, holds = measured.get(subject, (0, False))
                 if holds == (subject in was_firing):
                     continue
                 if holds:
-                    self._firing.add((i, subject))
+                    self._firing.add((rule, subject))
                 else:
-                    self._firing.discard((i, subject))
-                events.append(
-                    {
-                        "event": "alert",
-                        "name": rule_name(rule),
-                        "state": FIRING if holds else CLEARED,
-                        "subject": subject,
-                        "value": value,
-                        "threshold": threshold,
-                    }
-                )
+                    self._firing.discard((rule, subject))
+                events.append(_event(rule, subject, FIRING if holds else CLEARED, value))
         return events
 
     def _record(self, now: float, snapshot: Snapshot) -> None:
@@ -162,8 +185,8 @@ class Alerts:
             for name in self._growth.keys() - destinations.keys():
                 del self._growth[name]
 
-    def _measure(self, rule: AlertRule, now: float, snapshot: Snapshot) -> tuple[float, _Measured]:
-        """The rule's threshold, and each subject's value and whether the rule holds."""
+    def _measure(self, rule: AlertRule, now: float, snapshot: Snapshot) -> _Measured:
+        """Each subject's value, and whether the rule holds for it."""
         measured: _Measured = {}
         match rule:
             case OldestAge():
@@ -171,14 +194,12 @@ class Alerts:
                 for klass in classes:
                     age = snapshot.oldest.get(klass, 0.0)
                     measured[klass] = (round(age, 1), age > rule.over)
-                return rule.over, measured
             case DeferralRate():
                 for name in _subjects(rule.destination, self._counts):
                     attempts, deferrals = _increase(self._counts[name], now - rule.window)
                     rate = deferrals / attempts if attempts else 0.0
                     holds = attempts >= rule.min_attempts and rate > rule.over
                     measured[name] = (round(rate, 3), holds)
-                return rule.over, measured
             case DepthGrowing():
                 for name in _subjects(rule.destination, self._growth):
                     growth = self._growth[name]
@@ -186,10 +207,20 @@ class Alerts:
                     seconds = now - growth.since if grew else 0.0
                     holds = grew and growth.last > rule.over and seconds >= rule.period
                     measured[name] = (round(seconds, 1), holds)
-                return rule.period, measured
             case SpoolFree():
-                free = snapshot.spool_free
-                return rule.under, {"spool": (free, free < rule.under)}
+                measured["spool"] = (snapshot.spool_free, snapshot.spool_free < rule.under)
+        return measured
+
+
+def _event(rule: AlertRule, subject: str, state: str, value: float) -> dict:
+    return {
+        "event": "alert",
+        "name": rule_name(rule),
+        "state": state,
+        "subject": subject,
+        "value": value,
+        "threshold": rule.threshold,
+    }
 
 
 def _subjects(pattern: str, known: Mapping[str, object]) -> list[str]:

@@ -21,7 +21,6 @@ import sys
 import time
 from collections.abc import Callable
 
-import structlog
 import uvloop
 
 from . import __version__, config
@@ -30,7 +29,7 @@ from .control.operations import operation_commands
 from .control.server import ControlServer
 from .control.suppression import suppression_commands
 from .delivery.manager import DeliveryManager
-from .logs import configure_logging
+from .logs import configure_logging, get_logger
 from .routing.resolver import Resolver
 from .sdnotify import Notifier
 from .smtp.auth import Credentials, hash_password, load_auth_file
@@ -40,7 +39,7 @@ from .spool.store import Spool, SpoolLocked, StorageError
 from .spool.sweep import sweep
 from .submission import SubmissionSettings
 
-log = structlog.get_logger("daemon")
+log = get_logger("daemon")
 
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 1

@@ -25,11 +25,10 @@ import asyncio
 import math
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -42,11 +41,12 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from .alerts import DestinationStats, Snapshot
 from .control.views import recipient_state
+from .logs import get_logger
 from .model import DEFERRED, QUEUED, Message
 from .policy.breaker import CLOSED, HALF_OPEN, OPEN
 from .policy.classify import DELIVERED
 
-log = structlog.get_logger("metrics")
+log = get_logger("metrics")
 
 OTHER = "other"
 PENDING = (QUEUED, DEFERRED)
@@ -65,6 +65,8 @@ class Sources:
     """Where the state is read, at scrape time, on the event loop."""
 
     messages: Callable[[], Iterable[Message]]  # the queue (Spool.messages.values)
+    # Always shown, so an empty class reads 0 rather than nothing (the configured classes)
+    classes: Callable[[], Iterable[str]]
     destinations: Callable[[], Iterable[Mapping[str, Any]]]  # DeliveryManager.domains
     dns: Callable[[], tuple[int, int]]  # the DNS cache's (hits, misses)
     free_bytes: Callable[[], int]  # on the spool's file system
@@ -90,33 +92,34 @@ class Metrics:
         sources: Sources,
         *,
         top_n: int = 20,
-        classes: Sequence[str] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.sources = sources
         self.top_n = top_n
-        self.classes = tuple(classes)  # always shown, so an empty class reads 0, not absent
         self._clock = clock
+        # Our own registry, with this object as its only collector: the event metrics are
+        # collected from `collect` too, after the ranking, so a scrape never shows series
+        # the ranking has just removed.
         self.registry = CollectorRegistry()
         self._attempts = Counter(
             "mtaqueue_delivery_attempts",
             "Delivery attempts per recipient, by destination, reply class, kind and outcome",
             ("destination", "reply", "kind", "outcome"),
-            registry=self.registry,
+            registry=None,
         )
         self._latency = Histogram(
             "mtaqueue_delivery_latency_seconds",
             "Time from acceptance to delivery of a recipient, by class",
             ("class",),
             buckets=DELIVERY_BUCKETS,
-            registry=self.registry,
+            registry=None,
         )
         self._connect = Histogram(
             "mtaqueue_connect_seconds",
             "TCP connect plus the server's greeting of a new connection, by destination",
             ("destination",),
             buckets=CONNECT_BUCKETS,
-            registry=self.registry,
+            registry=None,
         )
         self._top: frozenset[str] = frozenset()
         # destination label -> the counter/histogram series it has, to remove them together
@@ -171,7 +174,7 @@ class Metrics:
         )
 
     def collect(self) -> Iterator[Metric]:
-        """The state families, read now (the registry calls this on each scrape)."""
+        """Every family, the state read now (the registry calls this on each scrape)."""
         shape = self._measure()
         now = self._clock()
         recipients = GaugeMetricFamily(
@@ -193,7 +196,7 @@ class Metrics:
             "Age of the oldest message with recipients waiting (not held), by class",
             labels=("class",),
         )
-        for klass in sorted(set(self.classes) | shape.messages.keys()):
+        for klass in sorted(set(self.sources.classes()) | shape.messages.keys()):
             messages.add_metric((klass,), shape.messages[klass])
             created = shape.oldest.get(klass)
             oldest.add_metric((klass,), 0.0 if created is None else now - created)
@@ -223,6 +226,8 @@ class Metrics:
         for name, subject in sorted(set(self.sources.alerts())):
             alerts.add_metric((name, subject), 1)
         yield alerts
+        for metric in (self._attempts, self._latency, self._connect):
+            yield from metric.collect()
 
     def _pacing(self, destinations: list[Mapping[str, Any]]) -> Iterator[Metric]:
         """Each destination's shaper. Connections and limits sum into "other"; rates and

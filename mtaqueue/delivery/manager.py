@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 
 import msgspec
-import structlog
 
 from .. import config
 from ..dsn import build_dsn, is_8bit
+from ..logs import get_logger
 from ..model import DEFERRED, QUEUED, Message, Recipient
 from ..policy.backoff import RetryPolicy, restart_due
 from ..policy.buckets import TokenBucket
@@ -43,7 +43,7 @@ from ..spool.store import Spool
 from .destination import Destination, WorkItem, destination_key
 from .sender import Sender
 
-log = structlog.get_logger("delivery")
+log = get_logger("delivery")
 
 EXPIRY_CHECK = 30.0  # seconds between sweeps for mail whose lifetime has passed
 PENDING = (QUEUED, DEFERRED)

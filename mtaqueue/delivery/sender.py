@@ -9,9 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import structlog
-
 from .. import config
+from ..logs import get_logger
 from ..model import Message
 from ..policy.classify import Rule, classify
 from ..policy.hosts import HostSuspensions
@@ -20,7 +19,7 @@ from ..policy.settle import Result
 from ..routing.resolver import Route
 from ..smtp.client import ClientSettings, ConnectFailed, SmtpConnection
 
-log = structlog.get_logger("delivery")
+log = get_logger("delivery")
 
 
 @dataclass(slots=True)

@@ -15,14 +15,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import structlog
-
+from ..logs import get_logger
 from ..spool.store import Spool, StorageFull
 from ..submission import Received, Refused, SubmissionSettings, prepare
 from .auth import Credentials
 from .server_session import CheckCredentials, ServerSession, SessionSettings, StartTLS, Submit
 
-log = structlog.get_logger("listener")
+log = get_logger("listener")
 
 MAX_PIPELINED = 1 << 20  # input buffered while a commit is pending before we stop reading
 

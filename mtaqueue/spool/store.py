@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
-import structlog
 
 from ..ids import IdGenerator
+from ..logs import get_logger
 from ..model import Message
 from . import journal
 from .layout import SpoolLayout
@@ -40,7 +40,7 @@ from .writer import (
     split_frames,
 )
 
-log = structlog.get_logger("spool")
+log = get_logger("spool")
 
 WRITER_START_TIMEOUT = 60.0
 
