@@ -5,7 +5,8 @@ The daemon measures the queue every so often (a `Snapshot`, see `metrics.Metrics
 and passes it with the time. `Alerts.evaluate` answers with one `alert` event for each
 condition that started holding ("firing") or stopped ("cleared") since the previous call,
 never in between, so a log shows each incident exactly twice. `active()` lists the firing
-ones for the mtaqueue_alert_active gauge.
+ones for the mtaqueue_alert_active gauge. A reload (`reconfigure`) keeps the alerts of the
+rules that stay and clears those of the rules that go.
 
 Rules are msgspec structs the config embeds, picked by `type`; a rule names one subject or
 "*" for each subject the snapshot has:

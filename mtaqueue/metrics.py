@@ -290,22 +290,25 @@ class Metrics:
         for d in shape.destinations:
             for domain in d["domains"]:
                 routes[domain] = d["destination"]
-        waiting_domains: set[str] = set()
+        # Counted by domain first: far fewer keys to route than recipients.
+        by_domain: Tally[tuple[str, str, str]] = Tally()
         for message in self.sources.messages():
             klass = message.klass
             shape.messages[klass] += 1
             waiting = False
             for rcpt in message.recipients:
                 state = recipient_state(message, rcpt)
-                domain = rcpt.address.rpartition("@")[2].lower()  # as the delivery event
-                destination = routes.get(domain, domain)
-                shape.recipients[destination, klass, state] += 1
-                if state in PENDING:
-                    shape.depth[destination] += 1
-                    waiting_domains.add(domain)
-                    waiting = True
+                by_domain[rcpt.address.rpartition("@")[2].lower(), klass, state] += 1
+                waiting = waiting or state in PENDING
             if waiting and message.created < shape.oldest.get(klass, math.inf):
                 shape.oldest[klass] = message.created
+        waiting_domains: set[str] = set()
+        for (domain, klass, state), count in by_domain.items():
+            destination = routes.get(domain, domain)
+            shape.recipients[destination, klass, state] += count
+            if state in PENDING:
+                shape.depth[destination] += count
+                waiting_domains.add(domain)
         self._rank(shape)
         live = {d["destination"] for d in shape.destinations}
         self._routes = {d: n for d, n in self._routes.items() if d in waiting_domains}

@@ -141,6 +141,17 @@ def test_spool_free():
     assert event["state"] == CLEARED
 
 
+def test_a_reload_keeps_the_alerts_of_rules_that_stay_and_clears_the_others():
+    stale, low = OldestAge(klass="p0", over=60.0), SpoolFree(under=GIB)
+    alerts = Alerts([stale, low])
+    assert len(alerts.evaluate(0, snap({"p0": 100.0}, free=1))) == 2
+    # The same rule, decoded again, is the same rule: still firing, nothing to say.
+    [event] = alerts.reconfigure([OldestAge(klass="p0", over=60.0)])
+    assert (event["name"], event["state"], event["threshold"]) == ("spool_free", CLEARED, GIB)
+    assert alerts.active() == [("oldest_age", "p0")]
+    assert alerts.evaluate(60, snap({"p0": 160.0}, free=1)) == []
+
+
 def test_rules_decode_from_the_config_with_its_units():
     raw = [
         {"type": "oldest_age", "class": "p0", "over": "15m"},
@@ -188,14 +199,23 @@ def snapshots(draw) -> Snapshot:
     return Snapshot(oldest, destinations, draw(st.integers(0, 200)))
 
 
-@given(st.lists(st.tuples(st.floats(1, 90), snapshots()), max_size=40))
+reloads = st.lists(st.sampled_from(RULES), unique=True).map(lambda rules: ("reload", rules))
+evaluations = st.tuples(st.just("evaluate"), st.tuples(st.floats(1, 90), snapshots()))
+
+
+@given(st.lists(evaluations | reloads, max_size=40))
 def test_alerts_alternate_firing_and_cleared(steps):
     alerts = Alerts(RULES)
     last: dict[tuple[str, str], str] = {}
     now = 0.0
-    for step, snapshot in steps:
-        now += step
-        for event in alerts.evaluate(now, snapshot):
+    for action, arg in steps:
+        if action == "reload":
+            events = alerts.reconfigure(arg)
+        else:
+            step, snapshot = arg
+            now += step
+            events = alerts.evaluate(now, snapshot)
+        for event in events:
             key = (event["name"], event["subject"])
             expected = CLEARED if last.get(key) == FIRING else FIRING
             assert event["state"] == expected, (key, event)

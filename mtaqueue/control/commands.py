@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 
 import msgspec
 
 from mtaqueue.control import views
+from mtaqueue.control.qshape import qshape
 from mtaqueue.control.server import Command, CommandError
 from mtaqueue.model import Message
 
@@ -44,4 +46,14 @@ def queue_commands(
             raise CommandError(f"no message with id {queue_id}")
         yield views.message_json(msg)
 
-    return {"status": status, "list": list_, "show": show}
+    async def qshape_(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        by = args.get("by") or "domain"
+        if by not in ("domain", "sender", "tenant"):
+            raise CommandError("--by takes domain, sender or tenant")
+        top = args.get("top") or 20
+        if not isinstance(top, int) or top < 1:
+            raise CommandError("--top takes a whole number of at least 1")
+        for row in qshape(list(messages()), time.time(), by=by, klass=args.get("class"), top=top):
+            yield row
+
+    return {"status": status, "list": list_, "show": show, "qshape": qshape_}

@@ -19,6 +19,7 @@ from typing import Any, NoReturn, TextIO
 import msgspec
 
 from mtaqueue.control import protocol
+from mtaqueue.control.qshape import render as render_qshape
 from mtaqueue.model import RECIPIENT_STATES
 
 PROG = "mtaqueue-ctl"
@@ -232,6 +233,20 @@ def _domains_show(reply: Reply, out: TextIO) -> None:
             out.write(f"  last        {line}\n")
 
 
+def _qshape_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--by", choices=("domain", "sender", "tenant"), default="domain")
+    parser.add_argument("--class", dest="klass", metavar="CLASS")
+    parser.add_argument("--top", type=int, default=20, help="rows besides TOTAL")
+
+
+def _qshape_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "qshape", {"by": args.by, "class": args.klass, "top": args.top}
+
+
+def _qshape_show(reply: Reply, out: TextIO) -> None:
+    out.write(render_qshape(list(reply)))
+
+
 def _domains_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "domains", {}
 
@@ -285,6 +300,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         _select_options,
         _select_request("flush"),
         _count_show,
+    ),
+    "qshape": Subcommand(
+        "queue by domain and age (minutes), like Postfix's qshape",
+        _qshape_options,
+        _qshape_request,
+        _qshape_show,
     ),
     "domains": Subcommand(
         "state of each destination", _no_options, _domains_request, _domains_show

@@ -1,0 +1,309 @@
+"""Prometheus metrics (mtaqueue.metrics), scraped through the real HTTP endpoint with a real
+HTTP client and read back with prometheus_client's own parser."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from mtaqueue import config
+from mtaqueue.delivery.destination import Destination
+from mtaqueue.metrics import OTHER, Metrics, Sources, serve
+from mtaqueue.model import DEFERRED, DELIVERED, QUEUED, Message, Recipient
+from mtaqueue.policy.backoff import RetryPolicy
+from mtaqueue.policy.classify import classify
+from mtaqueue.policy.replies import Reply
+from mtaqueue.policy.settle import Result, SettleSettings, settle
+from mtaqueue.policy.shaper import DestinationShaper
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+NOW = 1_000_000.0
+GMAIL = "gmail-smtp-in.l.google.com"
+CLASSES = {"p0": (0, 1), "p1": (1, 4), "p2": (2, 1)}
+
+
+class State:
+    """What the sources read: changed by the tests between scrapes."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.destinations: list[Destination] = []
+        self.alerts: list[tuple[str, str]] = []
+        self.dns = (0, 0)
+
+    def metrics(self, top_n: int = 20) -> Metrics:
+        sources = Sources(
+            messages=lambda: self.messages,
+            classes=lambda: CLASSES,
+            destinations=lambda: [d.snapshot(NOW, {}) for d in self.destinations],
+            dns=lambda: self.dns,
+            free_bytes=lambda: 5 * 2**30,
+            journal_bytes=lambda: 12345,
+            alerts=lambda: self.alerts,
+        )
+        return Metrics(sources, top_n=top_n, clock=lambda: NOW)
+
+
+def message(queue_id, klass, age, *rcpts, held=False) -> Message:
+    recipients = tuple(Recipient(address, state=state) for address, state in rcpts)
+    return Message(queue_id, "app@example.com", recipients, NOW - age, 100, klass, held=held)
+
+
+def destination(key: str, *domains: str, active: int = 0) -> Destination:
+    pacing = config.Pacing()
+    d = Destination(key, pacing, DestinationShaper(pacing, config.ShapingConfig(), NOW), CLASSES)
+    d.domains.update(domains)
+    d.active = active
+    return d
+
+
+def delivery_event(msg: Message, index: int, phase: str, code: int, text: str, dest: str) -> dict:
+    """The `delivery` event settle() logs, with the fields the daemon adds for metrics."""
+    retry = RetryPolicy.from_config(config.RetryConfig())
+    settings = SettleSettings(retry, 86400.0, "bounce", 14400.0, False)
+    reply = Reply.parse(phase, code, text) if code else Reply(phase, 0, network=text)
+    result = Result(index, reply, classify(reply), "mx.example")
+    [event] = settle(msg, [result], NOW, random.Random(1), settings).events
+    return event | {"destination": dest, "class": msg.klass}
+
+
+def scrape(metrics: Metrics, path: str = "/metrics") -> tuple[int, str, bytes]:
+    """(status, content type, body) of a GET through the real server on loopback."""
+
+    def get(url: str) -> tuple[int, str, bytes]:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.status, response.headers["Content-Type"], response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.headers["Content-Type"], error.read()
+
+    async def run() -> tuple[int, str, bytes]:
+        server = await serve(metrics, "127.0.0.1", 0)
+        try:
+            assert {s.getsockname()[0] for s in server.sockets} == {"127.0.0.1"}
+            port = server.sockets[0].getsockname()[1]
+            return await asyncio.to_thread(get, f"http://127.0.0.1:{port}{path}")
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    return asyncio.run(run())
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, frozenset], float]:
+    """Every sample of a scrape: (name, labels) -> value."""
+    status, content_type, body = scrape(metrics)
+    assert (status, content_type) == (200, CONTENT_TYPE_LATEST)
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
+
+
+def value(found: dict, name: str, **labels: str) -> float | None:
+    return found.get((name, frozenset(labels.items())))
+
+
+def label_values(found: dict, name: str, label: str) -> set[str]:
+    return {dict(labels)[label] for n, labels in found if n == name}
+
+
+def test_a_scrape_shows_the_queue_the_pacing_and_the_spool():
+    state = State()
+    state.messages = [
+        message("A", "p0", 100, ("a@gmail.com", QUEUED), ("b@Gmail.com", DELIVERED)),
+        message("B", "p1", 500, ("c@example.org", QUEUED), held=True),
+        message("C", "p2", 50, ("d@example.org", DEFERRED), ("e@googlemail.com", DEFERRED)),
+    ]
+    state.destinations = [destination(GMAIL, "gmail.com", "googlemail.com", active=2)]
+    state.alerts = [("oldest_age", "p0")]
+    state.dns = (7, 3)
+    found = samples(state.metrics())
+
+    recipients = {
+        (dict(labels)["destination"], dict(labels)["class"], dict(labels)["state"]): v
+        for (name, labels), v in found.items()
+        if name == "mtaqueue_queue_recipients"
+    }
+    assert recipients == {
+        (GMAIL, "p0", "queued"): 1,
+        (GMAIL, "p0", "delivered"): 1,
+        (GMAIL, "p2", "deferred"): 1,
+        ("example.org", "p1", "held"): 1,  # not routed yet: its domain
+        ("example.org", "p2", "deferred"): 1,
+    }
+    for klass, count, age in (("p0", 1, 100.0), ("p1", 1, 0.0), ("p2", 1, 50.0)):
+        assert value(found, "mtaqueue_queue_messages", **{"class": klass}) == count
+        # p1's only message is held: nothing of p1 is waiting
+        assert value(found, "mtaqueue_queue_oldest_age_seconds", **{"class": klass}) == age
+    assert value(found, "mtaqueue_destination_connections", destination=GMAIL) == 2
+    assert value(found, "mtaqueue_destination_connection_limit", destination=GMAIL) == 2
+    assert (
+        value(found, "mtaqueue_destination_rate_limit_messages_per_second", destination=GMAIL) == 0
+    )
+    assert value(found, "mtaqueue_destination_backoff_stage", destination=GMAIL) == 0
+    circuit = "mtaqueue_destination_circuit_state"
+    assert value(found, circuit, destination=GMAIL, state="closed") == 1
+    assert value(found, circuit, destination=GMAIL, state="open") == 0
+    assert value(found, "mtaqueue_destinations", mode="normal", circuit="closed") == 1
+    assert value(found, "mtaqueue_dns_cache_lookups_total", result="hit") == 7
+    assert value(found, "mtaqueue_dns_cache_lookups_total", result="miss") == 3
+    assert value(found, "mtaqueue_spool_free_bytes") == 5 * 2**30
+    assert value(found, "mtaqueue_spool_journal_bytes") == 12345
+    assert value(found, "mtaqueue_alert_active", alert="oldest_age", subject="p0") == 1
+
+
+def test_delivery_attempts_and_latencies_are_counted():
+    state = State()
+    msg = message("A", "p0", 30, ("a@gmail.com", QUEUED), ("b@gmail.com", QUEUED))
+    state.messages = [msg]
+    state.destinations = [destination(GMAIL, "gmail.com")]
+    metrics = state.metrics()
+    samples(metrics)  # ranks the destinations: gmail is in the top N
+    metrics.observe_delivery(delivery_event(msg, 0, "data_end", 250, "2.0.0 OK", GMAIL))
+    metrics.observe_delivery(
+        delivery_event(msg, 1, "rcpt", 450, "4.2.0 Greylisted, try again in 300 seconds", GMAIL)
+    )
+    metrics.observe_delivery(delivery_event(msg, 1, "connect", 0, "timeout", GMAIL))
+    metrics.observe_connect(GMAIL, 0.2)
+    metrics.observe_connect(GMAIL, 3.0)
+    found = samples(metrics)
+
+    attempts = "mtaqueue_delivery_attempts_total"
+    labels = {"destination": GMAIL}
+    assert value(found, attempts, **labels, reply="2xx", kind="ok", outcome="delivered") == 1
+    greylisted = {"reply": "4xx", "kind": "greylisting", "outcome": "transient"}
+    assert value(found, attempts, **labels, **greylisted) == 1
+    timeout = {"reply": "none", "kind": "network", "outcome": "transient"}
+    assert value(found, attempts, **labels, **timeout) == 1
+    latency = "mtaqueue_delivery_latency_seconds"
+    assert value(found, f"{latency}_count", **{"class": "p0"}) == 1  # only the delivery
+    assert value(found, f"{latency}_sum", **{"class": "p0"}) == 30
+    assert value(found, f"{latency}_bucket", **{"class": "p0", "le": "15.0"}) == 0
+    assert value(found, f"{latency}_bucket", **{"class": "p0", "le": "60.0"}) == 1
+    connect = "mtaqueue_connect_seconds"
+    assert value(found, f"{connect}_count", destination=GMAIL) == 2
+    assert value(found, f"{connect}_bucket", destination=GMAIL, le="0.25") == 1
+    assert value(found, f"{connect}_sum", destination=GMAIL) == pytest.approx(3.2)
+
+
+def test_destinations_beyond_the_top_n_are_summed_into_other():
+    state = State()
+    # d01.example has 1 recipient waiting ... d30.example 30.
+    state.messages = [
+        message(f"M{n}", "p1", 10, *[(f"r{i}@d{n:02}.example", DEFERRED) for i in range(n)])
+        for n in range(1, 31)
+    ]
+    metrics = state.metrics(top_n=5)
+    found = samples(metrics)
+    names = label_values(found, "mtaqueue_queue_recipients", "destination")
+    assert names == {
+        "d26.example",
+        "d27.example",
+        "d28.example",
+        "d29.example",
+        "d30.example",
+        OTHER,
+    }
+    other = {"destination": OTHER, "class": "p1", "state": "deferred"}
+    assert value(found, "mtaqueue_queue_recipients", **other) == sum(range(1, 26))
+
+    # Counters are bounded the same way, at the time of the attempt.
+    top, low = state.messages[29], state.messages[0]
+    for msg, dest in ((top, "d30.example"), (low, "d01.example")):
+        metrics.observe_delivery(delivery_event(msg, 0, "rcpt", 451, "4.3.0 later", dest))
+        metrics.observe_connect(dest, 0.1)
+    found = samples(metrics)
+    for name in ("mtaqueue_delivery_attempts_total", "mtaqueue_connect_seconds_count"):
+        assert label_values(found, name, "destination") == {"d30.example", OTHER}
+
+    # d30 drains and leaves the top 5: its series go, and its next attempt counts as other.
+    state.messages = state.messages[:29]
+    found = samples(metrics)
+    assert "d30.example" not in label_values(
+        found, "mtaqueue_delivery_attempts_total", "destination"
+    )
+    metrics.observe_delivery(delivery_event(top, 0, "rcpt", 451, "4.3.0 later", "d30.example"))
+    found = samples(metrics)
+    assert label_values(found, "mtaqueue_delivery_attempts_total", "destination") == {OTHER}
+    assert (
+        value(
+            found,
+            "mtaqueue_delivery_attempts_total",
+            destination=OTHER,
+            reply="4xx",
+            kind="other",
+            outcome="transient",
+        )
+        == 2
+    )
+
+    # However many destinations there are, a family has at most top_n + 1 of them.
+    for name in {n for n, _ in found}:
+        if any("destination" in dict(labels) for n, labels in found if n == name):
+            assert len(label_values(found, name, "destination")) <= 6
+
+
+def test_the_alert_snapshot_has_every_destination_by_name():
+    state = State()
+    msg = message("A", "p0", 120, ("a@example.net", DEFERRED), ("b@example.net", DEFERRED))
+    state.messages = [msg, message("B", "p2", 7200, ("c@gmail.com", QUEUED))]
+    state.destinations = [destination(GMAIL, "gmail.com")]
+    metrics = state.metrics(top_n=1)
+    # example.net's destination is learned from its attempts (no live destination any more).
+    metrics.observe_delivery(
+        delivery_event(msg, 0, "rcpt", 421, "4.7.0 slow down", "mx.example.net")
+    )
+    metrics.observe_delivery(delivery_event(msg, 1, "rcpt", 250, "2.1.5 ok", "mx.example.net"))
+    snapshot = metrics.snapshot(NOW)
+    assert snapshot.oldest == {"p0": 120.0, "p2": 7200.0}
+    assert snapshot.spool_free == 5 * 2**30
+    net = snapshot.destinations["mx.example.net"]
+    assert (net.depth, net.attempts, net.deferrals) == (2, 2, 1)
+    assert snapshot.destinations[GMAIL].depth == 1
+
+
+def test_anything_but_get_metrics_is_not_found_and_a_failing_source_is_a_500():
+    state = State()
+    status, _, body = scrape(state.metrics(), "/")
+    assert (status, body) == (404, b"not found\n")
+
+    def broken() -> tuple[int, int]:
+        raise RuntimeError("resolver gone")
+
+    sources = Sources(list, list, list, broken, lambda: 0, lambda: 0, list)
+    metrics = Metrics(sources)
+    status, _, _ = scrape(metrics)
+    assert status == 500
+
+
+def test_the_shipped_rules_and_dashboard_use_only_metrics_we_serve():
+    state = State()
+    msg = message("A", "p0", 1, ("a@gmail.com", QUEUED))
+    state.messages = [msg]
+    state.destinations = [destination(GMAIL, "gmail.com")]
+    state.alerts = [("oldest_age", "p0")]
+    metrics = state.metrics()
+    metrics.observe_delivery(delivery_event(msg, 0, "data_end", 250, "2.0.0 OK", GMAIL))
+    metrics.observe_connect(GMAIL, 0.1)
+    served = {name for name, _ in samples(metrics)}
+
+    yaml = pytest.importorskip("yaml")
+    rules = yaml.safe_load((CONF / "prometheus-alerts.yml").read_text())
+    exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    assert all("alert" in r or "record" in r for g in rules["groups"] for r in g["rules"])
+    dashboard = json.loads((CONF / "grafana-dashboard.json").read_text())
+    exprs += [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"\bmtaqueue_[a-z_]+", expr)}
+    assert used, "no metric found in the shipped files"
+    assert used <= served, used - served
