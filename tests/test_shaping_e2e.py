@@ -193,3 +193,21 @@ def test_restart_with_an_overdue_backlog_sends_p0_first(provider):
     assert order[0] == "reset@example.org"
     times = [m.time for m in provider.mx.messages]
     assert times[-1] - times[1] > 1.0  # the bulk was spread out, not a herd
+
+
+def test_delete_bounce_requeue_and_selection_filters(provider):
+    provider.mx.on("rcpt", "451 4.3.0 try later")
+    daemon = provider.daemon('retry.schedule=["60s"]')
+    gone = send_class(daemon, "p2", "d@example.org")
+    returned = send_class(daemon, "p1", "b@example.net")
+    kept = send_class(daemon, "p1", "k@example.net")
+    wait_for(lambda: len(events(daemon, "delivery")) == 3)
+    assert ctl_json(daemon, "delete", "--older-than", "1h", "--all") == [{"deleted": 0}]
+    assert ctl_json(daemon, "delete", gone) == [{"deleted": 1}]
+    assert ctl_json(daemon, "bounce", returned) == [{"bounced": 1}]
+    (dsn,) = wait_for(lambda: provider.home.messages, what="the operator's bounce DSN")
+    assert b"451 4.3.0 try later" in dsn.content  # the last real reply
+    assert set(daemon.messages()) == {kept}
+    provider.mx.on("rcpt", None)
+    assert ctl_json(daemon, "requeue", "--state", "deferred") == [{"requeued": 1}]
+    wait_for(lambda: not daemon.messages(), what="the requeued message")

@@ -198,6 +198,8 @@ def _select_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--domain", help="messages with a recipient in this domain")
     parser.add_argument("--class", dest="klass", metavar="CLASS")
     parser.add_argument("--tenant")
+    parser.add_argument("--state", choices=RECIPIENT_STATES, help="a recipient in this state")
+    parser.add_argument("--older-than", metavar="DURATION", help="e.g. 2h")
     parser.add_argument("--all", action="store_true", help="every message")
 
 
@@ -208,6 +210,8 @@ def _select_request(command: str) -> Callable[[argparse.Namespace], tuple[str, d
             "domain": args.domain,
             "class": args.klass,
             "tenant": args.tenant,
+            "state": args.state,
+            "older_than": args.older_than,
             "all": args.all,
         }
         return command, selection
@@ -306,6 +310,21 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         _qshape_options,
         _qshape_request,
         _qshape_show,
+    ),
+    "requeue": Subcommand(
+        "look the domains up again and retry now (pacing still applies)",
+        _select_options,
+        _select_request("requeue"),
+        _count_show,
+    ),
+    "delete": Subcommand(
+        "remove messages without notice", _select_options, _select_request("delete"), _count_show
+    ),
+    "bounce": Subcommand(
+        "fail messages now, with a DSN to the sender",
+        _select_options,
+        _select_request("bounce"),
+        _count_show,
     ),
     "domains": Subcommand(
         "state of each destination", _no_options, _domains_request, _domains_show

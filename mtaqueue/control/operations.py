@@ -21,7 +21,16 @@ def operation_commands(
     def select(args: dict[str, Any]) -> list[Message]:
         selector = {k: v for k, v in args.items() if k != "all" and v not in (None, [], "")}
         if not selector and not args.get("all"):
-            raise CommandError("name messages: queue ids, --domain, --class, --tenant or --all")
+            raise CommandError(
+                "name messages: queue ids, --domain, --class, --tenant, --state,"
+                " --older-than or --all"
+            )
+        if "older_than" in selector:
+            try:
+                selector["older_than"] = parse_duration(str(selector["older_than"]))
+            except ValueError as exc:
+                raise CommandError(f"bad --older-than: {exc}") from None
+            selector["now"] = time.time()
         try:
             filters = msgspec.convert(selector, views.Filters)
         except msgspec.ValidationError as exc:
@@ -57,6 +66,9 @@ def operation_commands(
         "hold": bulk(manager.hold, "held"),
         "release": bulk(manager.release, "released"),
         "flush": bulk(manager.flush, "flushed"),
+        "requeue": bulk(manager.requeue, "requeued"),
+        "delete": bulk(manager.delete, "deleted"),
+        "bounce": bulk(manager.bounce, "bounced"),
         "domains": domains,
         "limit": limit,
         "backoff": backoff,

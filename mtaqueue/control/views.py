@@ -25,6 +25,8 @@ class Filters(msgspec.Struct, forbid_unknown_fields=True, rename={"klass": "clas
     held: bool | None = None
     tenant: str | None = None
     ids: list[str] | None = None  # any of these queue ids
+    older_than: float | None = None  # created more than this many seconds before `now`
+    now: float = 0.0  # the time older_than counts from (set by the daemon)
 
 
 def recipient_state(msg: Message, rcpt: Recipient) -> str:
@@ -85,6 +87,8 @@ def matches(msg: Message, filters: Filters) -> bool:
     if filters.ids is not None and msg.id not in filters.ids:
         return False
     if filters.klass is not None and msg.klass != filters.klass:
+        return False
+    if filters.older_than is not None and msg.created > filters.now - filters.older_than:
         return False
     if filters.tenant is not None and msg.tenant != filters.tenant:
         return False

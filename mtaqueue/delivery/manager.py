@@ -32,7 +32,14 @@ from ..policy.classify import classify, compile_rules
 from ..policy.fairness import FairQueue
 from ..policy.hosts import HostSuspensions
 from ..policy.replies import Reply
-from ..policy.settle import Result, Settlement, SettleSettings, expire_due, settle
+from ..policy.settle import (
+    Result,
+    Settlement,
+    SettleSettings,
+    bounce_now,
+    expire_due,
+    settle,
+)
 from ..policy.shaper import DestinationShaper, pacing_for
 from ..routing.nexthop import NextHop, next_hop
 from ..routing.resolver import Resolver, RouteFailure
@@ -513,6 +520,33 @@ class DeliveryManager:
                 self._schedule(message.id, due)
                 count += 1
         return count
+
+    def requeue(self, messages: list[Message]) -> int:
+        """Look the recipients' domains up again, then flush (still paced)."""
+        for message in messages:
+            for rcpt in message.recipients:
+                self.resolver.cache.forget(domain_of(rcpt.address))
+        return self.flush(messages)
+
+    def delete(self, messages: list[Message]) -> int:
+        """Remove messages without notice (an operator's decision, logged)."""
+        ids = {m.id for m in messages}
+        self._unqueue(lambda item: item.message_id in ids)
+        for message in messages:
+            self._busy.pop(message.id, None)
+            self.spool.remove(message.id, "deleted by operator")
+            log.info("deleted", id=message.id, sender=message.sender)
+        return len(ids)
+
+    def bounce(self, messages: list[Message]) -> int:
+        """Fail messages now, with a DSN to their senders."""
+        now = time.time()
+        ids = {m.id for m in messages}
+        self._unqueue(lambda item: item.message_id in ids)
+        for message in messages:
+            self._busy.pop(message.id, None)
+            self._apply(bounce_now(message, now, "550 5.0.0 returned by the administrator"), now)
+        return len(ids)
 
     def _flushed(self, rcpt: Recipient, now: float) -> Recipient:
         if rcpt.state != DEFERRED:

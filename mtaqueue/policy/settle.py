@@ -129,6 +129,27 @@ def expire_due(message: Message, now: float, settings: SettleSettings) -> Settle
     return out
 
 
+def bounce_now(message: Message, now: float, reason: str) -> Settlement:
+    """Fail every pending recipient at once (mtaqueue-ctl bounce): a failure DSN that
+    carries the last real reply when there was one, else the operator's reason."""
+    out = Settlement(message)
+    recipients = list(message.recipients)
+    for i, rcpt in enumerate(recipients):
+        if rcpt.state in FINAL_STATES:
+            continue
+        failed = msgspec.structs.replace(
+            rcpt, state=BOUNCED, next_attempt=None, last_reply=rcpt.last_reply or reason
+        )
+        recipients[i] = failed
+        if wants_notice(message, failed, "failed"):
+            out.failed.append(
+                _report(failed, "failed", _status_of(rcpt.last_reply) or "5.0.0", now)
+            )
+        out.events.append({"event": "bounced_by_operator", "id": message.id, "rcpt": rcpt.address})
+    out.message = msgspec.structs.replace(message, recipients=tuple(recipients))
+    return out
+
+
 def _expire(
     message: Message,
     rcpt: Recipient,

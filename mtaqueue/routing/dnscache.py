@@ -54,6 +54,12 @@ class DnsCache:
         self.hits += 1
         return entry
 
+    def forget(self, name: str) -> None:
+        """Drop every cached answer for a name (mtaqueue-ctl requeue: look it up again)."""
+        name = name.lower().rstrip(".")
+        for key in [k for k in self._entries if k[0] == name]:
+            del self._entries[key]
+
     def put_positive(self, key: Key, value: Any, ttl: float, now: float) -> Entry:
         # The floor keeps a zero-TTL record from costing a query per message.
         ttl = min(max(ttl, self.min_ttl), self.max_ttl)
