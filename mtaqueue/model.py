@@ -20,6 +20,18 @@ RECIPIENT_STATES = (QUEUED, DEFERRED, DELIVERED, BOUNCED, EXPIRED, HELD)
 FINAL_STATES = frozenset({DELIVERED, BOUNCED, EXPIRED})
 
 
+MAX_HISTORY = 20  # attempts kept per recipient (the oldest are dropped)
+
+
+class Attempt(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One delivery attempt of one recipient, for `mtaqueue-ctl show`."""
+
+    time: float
+    reply: str  # the reply line, or the network event
+    mx: str | None = None
+    outcome: str = ""  # delivered, transient, permanent, ambiguous
+
+
 class Recipient(msgspec.Struct, frozen=True, array_like=True, gc=False):
     address: str
     # RFC 3461 parameters as received: ORCPT is "addr-type;address" with the
@@ -33,6 +45,7 @@ class Recipient(msgspec.Struct, frozen=True, array_like=True, gc=False):
     last_attempt: float | None = None
     remote_mta: str | None = None  # host that gave last_reply, for DSNs' Remote-MTA
     delay_notified: bool = False  # the one "delayed" DSN has been sent
+    history: tuple[Attempt, ...] = ()  # the last MAX_HISTORY attempts, oldest first
 
 
 class Message(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -408,3 +408,19 @@ def test_failed_tls_handshake_falls_back_to_clear_text(start_daemon, tmp_path):
     finally:
         peer.stop()
         dns.stop()
+
+
+def test_show_lists_the_attempt_history(world):
+    world.mx1.on("rcpt", "451 4.3.0 busy", times=1)
+    world.mx2.refuse_connections()
+    daemon = world.daemon('retry.schedule=["1s"]', 'retry.then=["60s", "60s"]')
+    world.mx1.on("data_end", "451 4.3.0 still busy", times=1)
+    queue_id = daemon.send("app@sender.test", ["h@example.org"], BODY)
+    wait_for(lambda: len(events(daemon, "delivery")) == 2, what="two attempts")
+    shown = daemon.ctl("show", queue_id, "--json")
+    (rcpt,) = json.loads(shown.stdout)["recipients"]
+    history = rcpt["history"]
+    assert [a["reply"] for a in history] == ["451 4.3.0 busy", "451 4.3.0 still busy"]
+    assert all(a["mx"] == "mx1.example.org" and a["outcome"] == "transient" for a in history)
+    human = daemon.ctl("show", queue_id).stdout
+    assert human.count("\n  attempt ") == 2 and "still busy" in human

@@ -154,8 +154,14 @@ def _show_show(reply: Reply, out: TextIO) -> None:
         for rcpt in msg["recipients"]:
             out.write(f"recipient        {rcpt['address']}\n")
             for key, value in rcpt.items():
-                if key != "address":
+                if key not in ("address", "history"):
                     out.write(f"  {key:<14} {_value(key, value)}\n")
+            for attempt in rcpt.get("history", []):
+                mx = f" via {attempt['mx']}" if attempt["mx"] else ""
+                out.write(
+                    f"  attempt        {_time(attempt['time'])} {attempt['outcome']}{mx}:"
+                    f" {attempt['reply']}\n"
+                )
 
 
 def _no_options(parser: argparse.ArgumentParser) -> None:

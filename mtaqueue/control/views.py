@@ -59,6 +59,10 @@ def message_json(msg: Message) -> dict[str, Any]:
                 "last_reply": r.last_reply,
                 "orcpt": r.orcpt,
                 "notify": r.notify,
+                "history": [
+                    {"time": a.time, "reply": a.reply, "mx": a.mx, "outcome": a.outcome}
+                    for a in r.history
+                ],
             }
             for r in msg.recipients
         ],

@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ..dsn import RecipientReport, wants_notice
-from ..model import BOUNCED, DEFERRED, DELIVERED, EXPIRED, FINAL_STATES, Message, Recipient
+from ..model import (
+    BOUNCED,
+    DEFERRED,
+    DELIVERED,
+    EXPIRED,
+    FINAL_STATES,
+    MAX_HISTORY,
+    Attempt,
+    Message,
+    Recipient,
+)
 from .backoff import RetryPolicy, expires_before, expiry, next_attempt
 from .classify import Verdict
 from .replies import Reply
@@ -73,12 +83,14 @@ def settle(
         old = recipients[result.index]
         verdict, reply = result.verdict, result.reply
         attempts = old.attempts + 1
+        attempt = Attempt(now, reply.line(), result.remote_mta, verdict.outcome)
         common = {
             "attempts": attempts,
             "last_reply": reply.line(),
             "last_attempt": now,
             "remote_mta": result.remote_mta or old.remote_mta,
             "next_attempt": None,
+            "history": (*old.history, attempt)[-MAX_HISTORY:],
         }
         if verdict.outcome == "delivered":
             new = msgspec.structs.replace(old, state=DELIVERED, **common)
