@@ -74,3 +74,12 @@ def test_qshape_through_the_ctl(daemon):
     assert rows[1]["key"] == "gmail.com" and rows[1]["total"] == 2
     human = daemon.ctl("qshape").stdout
     assert "TOTAL" in human and "yahoo.com" in human
+
+
+def test_top_shows_the_busiest_destinations(start_daemon):
+    daemon = start_daemon()
+    daemon.send("app@example.com", ["a@example.org"], b"Subject: t\r\n\r\nt\r\n")
+    result = daemon.ctl("top", "--count", "2", "--interval", "0.1")
+    assert result.returncode == 0, result.stderr
+    screens = result.stdout.count("destination")
+    assert screens == 2 and "messages 1" in result.stdout

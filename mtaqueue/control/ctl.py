@@ -11,6 +11,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -46,8 +47,9 @@ class _Parser(argparse.ArgumentParser):
 class Subcommand:
     help: str
     options: Callable[[argparse.ArgumentParser], None]
-    request: Callable[[argparse.Namespace], tuple[str, dict[str, Any]]]
-    show: Callable[[Reply, TextIO], None]  # human output; --json prints the objects
+    request: Callable[[argparse.Namespace], tuple[str, dict[str, Any]]] | None
+    show: Callable[[Reply, TextIO], None] | None  # human output; --json prints the objects
+    run: Callable[[argparse.Namespace, TextIO], None] | None = None  # instead of one request
 
 
 def _time(epoch: float | None) -> str:
@@ -292,6 +294,44 @@ def _steer_show(reply: Reply, out: TextIO) -> None:
         out.write(f"applied to {result['destinations']} destination(s){until}\n")
 
 
+def _top_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    parser.add_argument("--count", type=int, default=0, help="stop after N screens (0: never)")
+    parser.add_argument("--rows", type=int, default=20)
+
+
+def _top(args: argparse.Namespace, out: TextIO) -> None:
+    """A live view of the busiest destinations, refreshed in the terminal."""
+    path = _socket_path(args)
+    screens = 0
+    while True:
+        with _connect(path) as sock:
+            status = next(iter(protocol.request(sock, "status", {})))
+        with _connect(path) as sock:
+            destinations = list(protocol.request(sock, "domains", {}))
+        destinations.sort(key=lambda d: -sum(d.get("queued", {}).values()))
+        if out.isatty():
+            out.write("\033[H\033[2J")  # home and clear
+        out.write(
+            f"mtaqueue {status.get('version', '')}  {_time(time.time())}  "
+            f"messages {status.get('messages', 0)}  "
+            f"by state {status.get('by_state', {})}\n\n"
+        )
+        out.write(f"{'destination':<40} {'queued':>7} {'conn':>7} {'mode':>8} {'circuit':>9} 4xx\n")
+        for d in destinations[: args.rows]:
+            queued = sum(d.get("queued", {}).values())
+            conns = f"{d.get('active', 0)}/{d.get('limit', '-')}"
+            out.write(
+                f"{d['destination'][:40]:<40} {queued:>7} {conns:>7} {d.get('mode', ''):>8}"
+                f" {d.get('circuit', ''):>9} {d.get('deferral_rate', 0):.0%}\n"
+            )
+        out.flush()
+        screens += 1
+        if args.count and screens >= args.count:
+            return
+        time.sleep(args.interval)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "status": Subcommand("counts and daemon info", _no_options, _status_request, _status_show),
     "list": Subcommand("one entry per queued message", _list_options, _list_request, _list_show),
@@ -332,6 +372,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         _select_request("bounce"),
         _count_show,
     ),
+    "top": Subcommand("live view of the busiest destinations", _top_options, None, None, _top),
     "domains": Subcommand(
         "state of each destination", _no_options, _domains_request, _domains_show
     ),
@@ -394,6 +435,13 @@ def _print_json(reply: Reply, out: TextIO) -> None:
 
 def _run(args: argparse.Namespace, out: TextIO) -> None:
     sub = SUBCOMMANDS[args.command]
+    if sub.run is not None:
+        try:
+            sub.run(args, out)
+        except (protocol.RemoteError, protocol.ProtocolError) as exc:
+            raise Failure(str(exc)) from None
+        return
+    assert sub.request is not None and sub.show is not None
     cmd, cmd_args = sub.request(args)
     printer = _print_json if args.json else sub.show
     with _connect(_socket_path(args)) as sock:
