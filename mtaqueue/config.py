@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from .alerts import AlertRule
+
 
 class ConfigError(Exception):
     """A config file or override that cannot be used; str() is one line naming the key."""
@@ -172,6 +174,12 @@ class ControlConfig(_Table):
 
 class MetricsConfig(_Table):
     address: str = ""  # "" = no metrics endpoint
+    top_destinations: Annotated[int, msgspec.Meta(ge=1)] = 20  # the rest are "other"
+
+
+class AlertsConfig(_Table):
+    interval: Duration = _d("30s")
+    rules: list[AlertRule] = []
 
 
 class LogConfig(_Table):
@@ -331,6 +339,7 @@ class Config(_Table):
     spool: SpoolConfig = msgspec.field(default_factory=SpoolConfig)
     control: ControlConfig = msgspec.field(default_factory=ControlConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    alerts: AlertsConfig = msgspec.field(default_factory=AlertsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     dns: DnsConfig = msgspec.field(default_factory=DnsConfig)
     delivery: DeliveryConfig = msgspec.field(default_factory=DeliveryConfig)
@@ -502,6 +511,7 @@ def _validate(cfg: Config) -> None:
         "listen.command_timeout": listen.command_timeout,
         "listen.data_timeout": listen.data_timeout,
         "dns.timeout": cfg.dns.timeout,
+        "alerts.interval": cfg.alerts.interval,
     } | {f"classes.{name}.lifetime": c.lifetime for name, c in cfg.classes.items()}
     for path, seconds in positive.items():
         if seconds <= 0:

@@ -24,12 +24,15 @@ from collections.abc import Callable
 import uvloop
 
 from . import __version__, config
+from .alerts import Alerts
 from .control.commands import queue_commands
 from .control.operations import operation_commands
 from .control.server import ControlServer
 from .control.suppression import suppression_commands
 from .delivery.manager import DeliveryManager
 from .logs import configure_logging, get_logger
+from .metrics import Metrics, Sources
+from .metrics import serve as serve_metrics
 from .routing.resolver import Resolver
 from .sdnotify import Notifier
 from .smtp.auth import Credentials, hash_password, load_auth_file
@@ -95,6 +98,21 @@ class Daemon:
             address_order=d.address_order,
         )
         self.delivery = DeliveryManager(cfg, self.spool, self.resolver, self.hostname)
+        self.alerts = Alerts(cfg.alerts.rules)
+        self.metrics = Metrics(
+            Sources(
+                messages=lambda: self.spool.messages.values(),  # open() replaces the dict
+                classes=lambda: self.cfg.classes,
+                destinations=self.delivery.domains,
+                dns=lambda: (self.resolver.cache.hits, self.resolver.cache.misses),
+                free_bytes=lambda: self.spool.free_bytes,
+                journal_bytes=self.spool.journal_bytes,
+                alerts=self.alerts.active,
+            ),
+            top_n=cfg.metrics.top_destinations,
+        )
+        self.delivery.on_delivery = self.metrics.observe_delivery
+        self.delivery.on_connect = self.metrics.observe_connect
         self.started = time.time()
         self._stop = asyncio.Event()
 
@@ -146,6 +164,7 @@ class Daemon:
             await self.spool.start()
             await listener.start()
             await control.start()
+            metrics_server = await self._serve_metrics()
             if self.cfg.delivery.enabled:
                 delivery.start()
             else:
@@ -170,6 +189,7 @@ class Daemon:
         watchdog = asyncio.create_task(notifier.watchdog())
         sweep = asyncio.create_task(self._sweep())
         free_space = asyncio.create_task(self._watch_free_space())
+        alerting = asyncio.create_task(self._evaluate_alerts())
         await self._stop.wait()
 
         log.info("stopping", grace=self.cfg.spool.shutdown_grace)
@@ -179,6 +199,10 @@ class Daemon:
         sweep.cancel()
         free_space.cancel()
         watchdog.cancel()
+        alerting.cancel()
+        if metrics_server is not None:
+            metrics_server.close()
+            await metrics_server.wait_closed()
         await control.close()
         await self.spool.close()
         log.info("stopped", accepted=listener.accepted)
@@ -211,9 +235,33 @@ class Daemon:
                 log.warning("reload_needs_restart", key=key)
         if hasattr(self, "listener"):
             self.listener.reconfigure(settings)
+        self._log_alerts(self.alerts.reconfigure(new.alerts.rules))
+        self.metrics.top_n = new.metrics.top_destinations
         self.cfg = new
         configure_logging(new.log.level, new.log.format)
         log.info("reloaded")
+
+    async def _serve_metrics(self) -> asyncio.Server | None:
+        if not self.cfg.metrics.address:
+            return None
+        host, port = config.split_host_port(self.cfg.metrics.address, min_port=0)
+        server = await serve_metrics(self.metrics, host, port)
+        bound = [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets]
+        log.info("metrics_listening", address=bound)
+        return server
+
+    async def _evaluate_alerts(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.alerts.interval)
+            if not self.cfg.alerts.rules:
+                continue
+            now = time.time()
+            self._log_alerts(self.alerts.evaluate(now, self.metrics.snapshot(now)))
+
+    @staticmethod
+    def _log_alerts(events: list[dict]) -> None:
+        for event in events:
+            log.warning(event.pop("event"), **event)
 
     def _writer_lost(self) -> None:
         # Without its writer the spool cannot make anything durable: stop, and let

@@ -73,6 +73,8 @@ class DeliveryManager:
         self.hosts = HostSuspensions(d.host_suspend, d.host_suspend_max)
         self._tenants: dict[str, TokenBucket] = {}
         self.destinations: dict[str, Destination] = {}
+        self.on_delivery: Callable[[dict], None] | None = None  # each "delivery" event
+        self.on_connect: Callable[[str, float], None] | None = None  # destination, seconds
         self.reconfigure(cfg)
         self.active_workers = 0
         self._overrides: dict[str, Callable[[DestinationShaper, float], None]] = {}
@@ -232,7 +234,7 @@ class DeliveryManager:
         if isinstance(route, RouteFailure):
             reply = Reply("dns", 0, route.status, route.text, network="dns")
             results = [self.sender.result(i, reply, None, None) for i in indexes]
-            self._finish(message.id, indexes, results)
+            self._finish(message.id, indexes, results, destination=hop.host)
             return
         now = time.time()
         domain = domain_of(message.recipients[indexes[0]].address)
@@ -394,6 +396,8 @@ class DeliveryManager:
             shaper.connect_failed(now)
         if outcome.latency is not None:
             shaper.latency(now, outcome.latency)
+            if self.on_connect is not None:
+                self.on_connect(destination.key, outcome.latency)
         if outcome.wait_until is not None:
             # Every host is suspended: an internal wait, not an attempt. Nothing is charged.
             self._unbusy(item.message_id, item.indexes)
@@ -404,13 +408,25 @@ class DeliveryManager:
         for result in {id(r.reply): r for r in outcome.results}.values():
             shaper.result(now, result.reply, result.verdict)
             destination.record(now, result.reply)
-        self._finish(item.message_id, item.indexes, outcome.results, shaper.retry_factor(now))
+        self._finish(
+            item.message_id,
+            item.indexes,
+            outcome.results,
+            retry_factor=shaper.retry_factor(now),
+            destination=destination.key,
+        )
         return outcome.conn
 
     # -- after an attempt -----------------------------------------------------------------
 
     def _finish(
-        self, message_id: str, indexes: list[int], results: list[Result], retry_factor=1.0
+        self,
+        message_id: str,
+        indexes: list[int],
+        results: list[Result],
+        *,
+        destination: str,
+        retry_factor: float = 1.0,
     ) -> None:
         self._unbusy(message_id, indexes)
         message = self.spool.messages.get(message_id)
@@ -419,6 +435,10 @@ class DeliveryManager:
         now = time.time()
         settings = self._settings(message.klass)
         settlement = settle(message, results, now, self.rng, settings, retry_factor=retry_factor)
+        for event in settlement.events:
+            if event.get("event") == "delivery":
+                event["destination"] = destination
+                event["class"] = message.klass
         self._apply(settlement, now)
 
     def _unbusy(self, message_id: str, indexes: list[int]) -> None:
@@ -429,6 +449,8 @@ class DeliveryManager:
     def _apply(self, settlement: Settlement, now: float) -> None:
         message = settlement.message
         for event in settlement.events:
+            if event["event"] == "delivery" and self.on_delivery is not None:
+                self.on_delivery(event)
             name = event.pop("event")
             log.info(name, **event)
         for kind, reports in (

@@ -1,0 +1,86 @@
+"""Metrics scraped over HTTP from the running daemon, and alerts in its log."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from e2e_helpers import BODY, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(daemon) -> dict[tuple[str, tuple], float]:
+    (address,) = next(e for e in daemon.events if e.get("event") == "metrics_listening")["address"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_queue_metrics_and_an_alert_that_starts_and_clears(start_daemon):
+    daemon = start_daemon(
+        "metrics.address=127.0.0.1:0",
+        "alerts.interval=0.3s",
+        'alerts.rules=[{type="oldest_age", class="p1", over="1s"}]',
+    )
+    queue_id = daemon.send("app@example.com", ["a@example.org"], BODY)
+    daemon.send("app@example.com", ["b@example.org"], b"X-Mtaqueue-Class: p0\r\n" + BODY)
+    samples = scrape(daemon)
+    assert samples[("mtaqueue_queue_messages", (("class", "p1"),))] == 1
+    assert samples[("mtaqueue_queue_messages", (("class", "p0"),))] == 1
+    assert samples[("mtaqueue_queue_messages", (("class", "p2"),))] == 0
+    assert samples[("mtaqueue_spool_free_bytes", ())] > 0
+    assert samples[("mtaqueue_spool_journal_bytes", ())] > 0
+
+    firing = wait_for(
+        lambda: [e for e in daemon.events if e.get("event") == "alert"], what="the alert"
+    )
+    assert firing[0]["state"] == "firing" and firing[0]["subject"] == "p1"
+    active = scrape(daemon)
+    assert any(name == "mtaqueue_alert_active" and v == 1 for (name, _), v in active.items())
+    assert daemon.ctl("delete", queue_id).returncode == 0
+    cleared = wait_for(
+        lambda: [e for e in daemon.events if e.get("event") == "alert"][1:], what="the clearing"
+    )
+    assert cleared[0]["state"] == "cleared"
+    assert len([e for e in daemon.events if e.get("event") == "alert"]) == 2  # once each
+
+
+def test_delivery_attempts_and_connect_latency_are_counted(start_daemon):
+    from dns_server import DnsServer
+    from e2e_helpers import FAST
+    from smtp_peer import peers_on_one_port
+
+    dns = DnsServer().start()
+    (peer,) = peers_on_one_port(["127.0.0.2"])
+    try:
+        dns.add("example.org", "MX", "10 mx.example.org")
+        dns.add("mx.example.org", "A", "127.0.0.2")
+        daemon = start_daemon(
+            f'dns.nameservers=["{dns.address}"]', f"delivery.port={peer.port}", *FAST,
+            "metrics.address=127.0.0.1:0",
+        )  # fmt: skip
+        daemon.send("app@example.com", ["a@example.org"], BODY)
+        wait_for(lambda: peer.messages, what="delivery")
+        wait_for(lambda: not daemon.messages(), what="the queue to empty")
+        samples = scrape(daemon)
+        attempts = {
+            dict(labels)["reply"]: value
+            for (name, labels), value in samples.items()
+            if name == "mtaqueue_delivery_attempts_total"
+        }
+        assert attempts.get("2xx") == 1
+        connects = [
+            v for (name, _), v in samples.items() if name == "mtaqueue_connect_seconds_count"
+        ]
+        assert sum(connects) == 1
+        latency = [
+            v for (name, labels), v in samples.items()
+            if name == "mtaqueue_delivery_latency_seconds_count" and ("class", "p1") in labels
+        ]  # fmt: skip
+        assert latency == [1]
+    finally:
+        peer.stop()
+        dns.stop()
