@@ -84,3 +84,36 @@ def test_delivery_attempts_and_connect_latency_are_counted(start_daemon):
     finally:
         peer.stop()
         dns.stop()
+
+
+def test_deferral_rate_alert_driven_by_a_deferring_peer(start_daemon):
+    from dns_server import DnsServer
+    from e2e_helpers import FAST
+    from smtp_peer import peers_on_one_port
+
+    dns = DnsServer().start()
+    (peer,) = peers_on_one_port(["127.0.0.2"])
+    try:
+        dns.add("example.org", "MX", "10 mx.example.org")
+        dns.add("mx.example.org", "A", "127.0.0.2")
+        peer.on("rcpt", "451 4.3.0 mailbox busy")
+        daemon = start_daemon(
+            f'dns.nameservers=["{dns.address}"]', f"delivery.port={peer.port}", *FAST,
+            'retry.schedule=["60s"]', "alerts.interval=0.3s",
+            'alerts.rules=[{type="deferral_rate", over=0.5, window="5m", min_attempts=3}]',
+        )  # fmt: skip
+        for i in range(3):
+            daemon.send("app@example.com", [f"d{i}@example.org"], BODY)
+        alerts = lambda: [e for e in daemon.events if e.get("event") == "alert"]  # noqa: E731
+        (firing,) = wait_for(alerts, what="the deferral alert")
+        assert firing["state"] == "firing" and firing["value"] == 1.0
+        peer.on("rcpt", None)  # the receiver recovers
+        for i in range(4):
+            daemon.send("app@example.com", [f"ok{i}@example.org"], BODY)
+        assert daemon.ctl("flush", "--all").returncode == 0
+        wait_for(lambda: not daemon.messages(), what="everything delivered")
+        firing, cleared = wait_for(lambda: alerts()[1:] and alerts(), what="the clearing")
+        assert cleared["state"] == "cleared"
+    finally:
+        peer.stop()
+        dns.stop()

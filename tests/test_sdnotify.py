@@ -59,3 +59,21 @@ def test_outside_systemd_nothing_is_sent():
 
 def test_abstract_socket_address():
     assert Notifier({"NOTIFY_SOCKET": "@mtaqueue-test"}).address == "\0mtaqueue-test"
+
+
+def test_unit_file_passes_systemd_analyze(tmp_path):
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    analyze, daemon = shutil.which("systemd-analyze"), shutil.which("mtaqueue")
+    if analyze is None or daemon is None:
+        pytest.skip("systemd-analyze (or the installed mtaqueue script) is not on this machine")
+    unit = (Path(__file__).parent.parent / "systemd" / "mtaqueue.service").read_text()
+    assert "Type=notify" in unit and "WatchdogSec=" in unit and "ExecReload=" in unit
+    assert "NoNewPrivileges=yes" in unit and "ProtectSystem=strict" in unit
+    # The unit names the usual install path; check it against where it is installed here.
+    local = tmp_path / "mtaqueue.service"
+    local.write_text(unit.replace("/usr/local/bin/mtaqueue", daemon))
+    result = subprocess.run([analyze, "verify", str(local)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
