@@ -53,6 +53,7 @@ from .sender import Sender
 log = get_logger("delivery")
 
 EXPIRY_CHECK = 30.0  # seconds between sweeps for mail whose lifetime has passed
+RECOVER_AFTER = 60.0  # retry delay after an unexpected error (a bug): not an attempt
 PENDING = (QUEUED, DEFERRED)
 
 
@@ -180,7 +181,12 @@ class DeliveryManager:
             now = time.time()
             while self._heap and self._heap[0][0] <= now:
                 _, _, message_id = heapq.heappop(self._heap)
-                self._dispatch(message_id, now)
+                try:
+                    self._dispatch(message_id, now)
+                except Exception:  # one bad record must not stop all delivery
+                    log.exception("dispatch_failed", id=message_id)
+                    self._busy.pop(message_id, None)
+                    self._schedule(message_id, now + RECOVER_AFTER)
             timeout = self._heap[0][0] - now if self._heap else None
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -230,6 +236,18 @@ class DeliveryManager:
             self._spawn(self._route(message, hop, indexes))
 
     async def _route(self, message: Message, hop: NextHop, indexes: list[int]) -> None:
+        try:
+            await self._route_and_queue(message, hop, indexes)
+        except Exception:
+            log.exception("routing_failed", id=message.id, hop=hop.host)
+            self._retry_later(message.id, indexes)
+
+    def _retry_later(self, message_id: str, indexes: list[int]) -> None:
+        """After an unexpected error: free the recipients and try again later, uncharged."""
+        self._unbusy(message_id, indexes)
+        self._schedule(message_id, time.time() + RECOVER_AFTER)
+
+    async def _route_and_queue(self, message: Message, hop: NextHop, indexes: list[int]) -> None:
         route = await self.resolver.route(hop)
         if isinstance(route, RouteFailure):
             reply = Reply("dns", 0, route.status, route.text, network="dns")
@@ -311,7 +329,14 @@ class DeliveryManager:
                 if item.tenant is not None and self.tenant_rate:
                     self._tenants[item.tenant].take(time.time())
                 await self._paced(destination)
-                conn = await self._attempt(destination, item, conn)
+                try:
+                    conn = await self._attempt(destination, item, conn)
+                except Exception:
+                    log.exception("attempt_failed", id=item.message_id)
+                    self._retry_later(item.message_id, item.indexes)
+                    if conn is not None:
+                        conn.abort()
+                    conn = None
                 if destination.active > destination.shaper.concurrency.limit:
                     break  # over the (lowered) concurrency limit: this connection goes
         finally:

@@ -163,7 +163,14 @@ class SubmissionProtocol(asyncio.Protocol):
         session = self.session
         if session is None or self._starting_tls:
             return  # clear text sent before the TLS handshake is never executed
-        self._continue(session.receive(data))
+        try:
+            self._continue(session.receive(data))
+        except Exception:  # a bug must cost one session a clear reply, not hang it
+            log.exception("session_failed", client=self.client)
+            if self.transport is not None:
+                self.transport.write(b"421 4.3.0 Internal error, try again later\r\n")
+                self.transport.close()
+            return
         if self._waiting and session.buffered > MAX_PIPELINED and self.transport is not None:
             self.transport.pause_reading()
 
