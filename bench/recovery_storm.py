@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -299,8 +300,15 @@ class PeerProcess:
 class Daemon:
     """mtaqueue as a subprocess, with a config file written for it."""
 
-    def __init__(self, workdir: Path, name: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        name: str,
+        config: dict[str, Any],
+        overrides: tuple[str, ...] | list[str] = (),
+    ) -> None:
         self.workdir = workdir
+        self.overrides = [arg for item in overrides for arg in ("-o", item)]
         self.config_path = workdir / f"{name}.toml"
         self.config_path.write_text(dump_toml(config))
         self.log_path = workdir / f"{name}.log"
@@ -312,17 +320,26 @@ class Daemon:
         started = time.monotonic()
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mtaqueue.daemon", "-c", str(self.config_path)],
+                [
+                    sys.executable,
+                    "-m",
+                    "mtaqueue.daemon",
+                    "-c",
+                    str(self.config_path),
+                    *self.overrides,
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
                 cwd=REPO,
             )
         while time.monotonic() - started < timeout:
-            with contextlib.suppress(OSError):
-                with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
-                    if sock.recv(512).startswith(b"220"):
-                        sock.sendall(b"QUIT\r\n")
-                        return time.monotonic() - started
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock,
+            ):
+                if sock.recv(512).startswith(b"220"):
+                    sock.sendall(b"QUIT\r\n")
+                    return time.monotonic() - started
             self.check()
             time.sleep(0.02)
         raise RuntimeError("mtaqueue did not start")
@@ -472,6 +489,8 @@ class Run:
     drained_at: float | None = None  # seconds after release, queue first seen empty
     depth: list[tuple[float, int]] = field(default_factory=list)  # (s after release, queued)
     states: list[tuple[float, dict]] = field(default_factory=list)  # mtaqueue `domains`
+    # (t, seconds the depth query took, CPU s of the MTA, CPU s of the provider, I/O stall s)
+    probes: list[tuple] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict)  # the provider's
     dsns: int = 0  # failure notices received at app.test
     notes: list[str] = field(default_factory=list)
@@ -485,9 +504,34 @@ def wait_outage(first_submit: float, s: Scenario) -> None:
         time.sleep(left)
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of a process (from /proc), or None."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def io_stall_total() -> float | None:
+    """Seconds all non-idle tasks were stalled on I/O since boot (PSI "full"), or None."""
+    try:
+        for line in Path("/proc/pressure/io").read_text().splitlines():
+            if line.startswith("full"):
+                return int(line.rsplit("total=", 1)[1]) / 1e6
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def sample_until_drained(
-    run: Run, count, timeout: float, states=None, check=None, settle: int = 2
+    run: Run, count, timeout: float, states=None, check=None, pids=(), settle: int = 2
 ) -> None:
+    """Sample the queue depth every SAMPLE s until it is 0 twice or `timeout` passes. Each
+    sample also keeps, for the diagnosis of pauses: how long the query took, the CPU seconds
+    of `pids` (the MTA, the provider) and the machine's I/O stall seconds (PSI)."""
     zeros = 0
     while True:
         if check is not None:
@@ -495,7 +539,11 @@ def sample_until_drained(
         now = time.time()
         t = now - run.release
         n = count()
+        asked = time.time() - now
         run.depth.append((round(t, 3), n))
+        run.probes.append(
+            (round(t, 3), round(asked, 4), *(cpu_seconds(pid) for pid in pids), io_stall_total())
+        )
         if states is not None:
             with contextlib.suppress(Exception):
                 run.states.append((round(t, 3), states()))
@@ -510,7 +558,14 @@ def sample_until_drained(
         time.sleep(max(0.0, SAMPLE - (time.time() - now)))
 
 
-def run_mtaqueue(s: Scenario, workdir: Path, naive: bool, timeout: float, tag: str) -> Run:
+def run_mtaqueue(
+    s: Scenario,
+    workdir: Path,
+    naive: bool,
+    timeout: float,
+    tag: str,
+    overrides: tuple[str, ...] | list[str] = (),
+) -> Run:
     from dns_server import DnsServer
 
     name = "naive" if naive else "mtaqueue"
@@ -540,7 +595,7 @@ def run_mtaqueue(s: Scenario, workdir: Path, naive: bool, timeout: float, tag: s
         daemon.stop()
         wait_outage(first, s)
         cfg["delivery"]["enabled"] = True
-        daemon = Daemon(workdir, "release", cfg)
+        daemon = Daemon(workdir, "release", cfg, overrides)
         run.release = time.time()
         run.startup_s = daemon.start()
         sample_until_drained(
@@ -549,6 +604,7 @@ def run_mtaqueue(s: Scenario, workdir: Path, naive: bool, timeout: float, tag: s
             timeout,
             states=lambda: daemon.ask("domains"),
             check=daemon.check,
+            pids=(daemon.proc.pid, peer.proc.pid),
         )
         if run.drained_at is None:
             left = Counter()
@@ -568,8 +624,9 @@ def run_mtaqueue(s: Scenario, workdir: Path, naive: bool, timeout: float, tag: s
     return run
 
 
-def run_postfix(s: Scenario, workdir: Path, timeout: float, tag: str) -> Run:
-    run = Run("postfix", "Postfix", plan(s.messages, tag))
+def run_postfix(s: Scenario, workdir: Path, timeout: float, tag: str, concurrency: int) -> Run:
+    label = f"Postfix (concurrency {concurrency})" if concurrency else "Postfix (stock)"
+    run = Run("postfix", label, plan(s.messages, tag))
     workdir = workdir / "postfix"
     workdir.mkdir()
     workdir.chmod(0o755)
@@ -587,6 +644,11 @@ def run_postfix(s: Scenario, workdir: Path, timeout: float, tag: str) -> Run:
         "transport_maps": f"inline:{{ app.test=smtp:[{SINK_IP}]:{sink.port} }}",
         "smtp_helo_name": "postfix.bench.test",
     }
+    if concurrency:
+        # The one pacing knob Postfix has that fits here: the admin's connection count. Its
+        # rate knob (smtp_destination_rate_delay) counts whole seconds between deliveries.
+        main_cf["smtp_destination_concurrency_limit"] = str(concurrency)
+        main_cf["smtp_initial_destination_concurrency"] = str(min(5, concurrency))
     pf = PostfixInstance(
         workdir / "pfx", listen=f"127.0.0.1:{POSTFIX_PORT}", mode="defer", main_cf=main_cf
     )
@@ -599,11 +661,17 @@ def run_postfix(s: Scenario, workdir: Path, timeout: float, tag: str) -> Run:
         if queued != s.messages:
             raise RuntimeError(f"postfix queued {queued} of {s.messages}")
         wait_outage(first, s)
+        # pf.set_mode("relay", ...) with the release taken between "stop" and "start": once
+        # started in relay mode, qmgr may send deferred mail before postqueue -f comes.
+        pf.mode, pf.relay = "relay", f"{PROVIDER_IPS[0]}:{peer.port}"
+        pf._write_config()
+        pf._postfix("stop", timeout=30)
+        pf._wait_port_free()
         run.release = time.time()
-        pf.set_mode("relay", relay=f"{PROVIDER_IPS[0]}:{peer.port}")
+        pf._postfix("start", timeout=60)
         pf.flush()
         run.startup_s = time.time() - run.release
-        sample_until_drained(run, pf.queue_count, timeout)
+        sample_until_drained(run, pf.queue_count, timeout, pids=(None, peer.proc.pid))
         run.extra["log"] = read_postfix_log(pf.maillog)
     except Exception as exc:
         run.error = f"{type(exc).__name__}: {exc}"
@@ -650,8 +718,8 @@ def read_postfix_log(path: Path) -> dict[str, Any]:
     reasons: Counter = Counter()
     for line in path.read_text(errors="replace").splitlines():
         m = re.search(r" to=<[^>]*@([^>]*)>.* status=(\w+) \((.*)\)", line)
-        if not m or m[1] == "app.test":
-            continue
+        if not m or m[1] == "app.test" or m[3] == "deferred transport":
+            continue  # bounces to the sender; the outage (defer mode)
         statuses[m[2]] += 1
         reason = re.sub(r"\d+", "N", m[3])[:110]
         reasons[(m[2], reason)] += 1
@@ -692,10 +760,13 @@ def figures(run: Run, s: Scenario) -> dict[str, Any]:
     failed = run.dsns
     log = run.extra.get("log", {})
     if run.name == "postfix":
-        failed_log = sum(n for k, n in log.get("statuses", {}).items() if k in ("bounced", "expired"))
+        failed_log = sum(
+            n for k, n in log.get("statuses", {}).items() if k in ("bounced", "expired")
+        )
     else:
         failed_log = log.get("permanent_messages")
     p0_count = sum(p.klass == "p0" for p in run.planned)
+    first_attempt, pause = sending_pause(run)
     return {
         "delivered": delivered,
         "not_delivered": s.messages - delivered,
@@ -727,7 +798,42 @@ def figures(run: Run, s: Scenario) -> dict[str, Any]:
         "connections": rep.get("connections", {}).get("total", 0),
         "max_concurrent": rep.get("connections", {}).get("max_concurrent_per_client", 0),
         "peer_errors": len(rep.get("errors", [])),
+        "first_attempt_s": first_attempt,
+        "longest_pause": pause,
     }
+
+
+def sending_pause(run: Run) -> tuple[float | None, dict | None]:
+    """When the provider saw the first MAIL of the run (accepted or refused), and the
+    longest stretch without any (after the first, before the last), with what the probes
+    saw meanwhile: the slowest depth query, the MTA's and the provider's CPU seconds, and
+    the machine's I/O stall seconds."""
+    rep = run.report
+    times = sorted(
+        [row[0] for row in rep.get("timeline", [])]
+        + [row[0] for row in rep.get("rejections", []) if row[1] != "550 5.7.1"]
+    )
+    if not times:
+        return None, None
+    gaps = [(b - a, a) for a, b in itertools.pairwise(times)]
+    if not gaps:
+        return times[0] - run.release, None
+    length, start = max(gaps)
+    start -= run.release
+    end = start + length
+    inside = [p for p in run.probes if start - SAMPLE <= p[0] <= end + SAMPLE]
+    pause: dict[str, Any] = {"from_s": round(start, 2), "seconds": round(length, 2)}
+    if inside:
+        pause["slowest_query_s"] = max(p[1] for p in inside)
+
+        def used(i: int) -> float | None:
+            values = [p[i] for p in inside if p[i] is not None]
+            return round(values[-1] - values[0], 2) if len(values) > 1 else None
+
+        pause["mta_cpu_s"] = used(2)
+        pause["provider_cpu_s"] = used(3)
+        pause["io_stall_s"] = used(4)
+    return times[0] - run.release, pause
 
 
 def targets(f: dict[str, Any], s: Scenario) -> dict[str, bool | None]:
@@ -778,6 +884,11 @@ def table(runs: list[Run], s: Scenario) -> str:
          lambda f: f"{fmt(f['p1_p50'], 1)}, {fmt(f['p2_p50'], 1)} / {fmt(f['p2_p99'], 1)}", None),
         ("connections opened (peak concurrent)",
          lambda f: f"{f['connections']} ({f['max_concurrent']})", None),
+        ("first MAIL at the provider after release, s", lambda f: fmt(f["first_attempt_s"]),
+         None),
+        ("longest pause in sending, s (from)",
+         lambda f: "-" if not f["longest_pause"] else
+         f"{f['longest_pause']['seconds']:.2f} ({f['longest_pause']['from_s']:.1f})", None),
     ]  # fmt: skip
     figs = [(figures(r, s), r) for r in runs]
     marks = [targets(f, s) for f, _ in figs]
@@ -818,6 +929,8 @@ def plot(runs: list[Run], s: Scenario, outdir: Path) -> list[Path]:
     ) + 2  # fmt: skip
     for run in runs:
         f = figures(run, s)
+        run_end = max([run.depth[-1][0] if run.depth else 0, f["last_delivery_s"] or 0, s.t_min])
+        run_end = run_end * 1.03 + 2
         rep = run.report
         ids = {p.message_id for p in run.planned}
         fields = rep.get("timeline_fields", [])
@@ -831,35 +944,37 @@ def plot(runs: list[Run], s: Scenario, outdir: Path) -> list[Path]:
         rejections: dict[str, list[float]] = {}
         for t, reply, _ in rep.get("rejections", []):
             rejections.setdefault(reply, []).append(t - run.release)
-        fig, ax = plt.subplots(figsize=(8, 4.2), dpi=80)
+        fig, (ax, ax2) = plt.subplots(
+            2, 1, figsize=(8, 5.6), dpi=80, sharex=True, height_ratios=[1, 1.15]
+        )
         if run.depth:
-            ax.plot(*zip(*run.depth, strict=True), color="tab:blue", lw=1.8, label="queue depth")
-        ax.set_xlabel("seconds after release")
-        ax.set_ylabel("messages queued", color="tab:blue")
+            ax.plot(*zip(*run.depth, strict=True), color="tab:blue", lw=1.8)
+        ax.set_ylabel("messages queued")
         ax.set_ylim(0, s.messages * 1.05)
-        ax.set_xlim(0, end)
-        ax.axvline(s.t_min, color="grey", ls=":", lw=1)
+        ax.set_xlim(0, run_end)
+        for a in (ax, ax2):
+            a.axvline(s.t_min, color="grey", ls=":", lw=1)
+            a.grid(alpha=0.3)
         ax.text(s.t_min, s.messages * 1.0, " T_min", color="grey", fontsize=8, va="top")
-        ax2 = ax.twinx()
-        x, y = per_second(delivered, end)
-        ax2.step(x, y, where="mid", color="tab:green", lw=1, label="delivered/s")
-        colors = {"450 4.2.0": "0.7", "421 4.7.28": "tab:red", "421 4.7.0": "tab:orange",
+        x, y = per_second(delivered, run_end)
+        ax2.step(x, y, where="mid", color="tab:green", lw=1.2, label="delivered (ours)")
+        colors = {"450 4.2.0": "0.6", "421 4.7.28": "tab:red", "421 4.7.0": "tab:orange",
                   "550 5.7.1": "black"}  # fmt: skip
         for reply, color in colors.items():
             if rejections.get(reply):
-                x, y = per_second(rejections[reply], end)
-                ax2.step(x, y, where="mid", color=color, lw=0.9, label=f"{reply}/s")
-        ax2.axhline(s.r, color="tab:green", ls="--", lw=0.8)
-        ax2.set_ylabel("replies per second")
-        top = max([s.r * 1.3] + [max(per_second(delivered, end)[1] or [0]) * 1.1])
-        ax2.set_ylim(0, top)
-        lines = ax.get_legend_handles_labels()
-        lines2 = ax2.get_legend_handles_labels()
-        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=7)
+                x, y = per_second(rejections[reply], run_end)
+                ax2.step(x, y, where="mid", color=color, lw=0.9, label=reply)
+        ax2.axhline(s.r, color="tab:green", ls="--", lw=0.8, label="provider rate")
+        ax2.set_yscale("symlog", linthresh=10)
+        ax2.set_ylim(0, None)
+        ax2.set_ylabel("per second")
+        ax2.set_xlabel("seconds after release")
+        ax2.legend(loc="upper right", fontsize=7, ncol=3)
         ratio = f"{f['ratio']:.2f}" if f["ratio"] else "n/a"
         ax.set_title(
-            f"{run.label}: {f['delivered']}/{s.messages} delivered, drain/T_min {ratio}, "
-            f"avoidable 4xx {f['avoidable_4xx']}, blocklist hits {f['blocklist_hits']}",
+            f"{run.label}: {f['delivered']}/{s.messages} delivered, {f['failed_dsn']} bounced\n"
+            f"drain/T_min {ratio}, avoidable 4xx {f['avoidable_4xx']},"
+            f" blocklist hits {f['blocklist_hits']}, p0 p99 {fmt(f['p0_p99'])} s",
             fontsize=9,
         )
         fig.tight_layout()
@@ -917,12 +1032,28 @@ def main() -> int:
     add("--blocklist-for", type=float, default=600, help="unscaled seconds")
     add("--blocklist-window", type=float, default=60, help="unscaled seconds")
     add("--outage", type=float, default=2400, help="unscaled seconds (40 min)")
-    add("--admin-fraction", type=float, default=0.95,
-        help="mtaqueue messages_per_minute as a fraction of the provider's rate (0.95)")
+    add(
+        "--admin-fraction",
+        type=float,
+        default=0.95,
+        help="mtaqueue messages_per_minute as a fraction of the provider's rate (0.95)",
+    )
     add("--admin-connections", type=int, default=5)
     add("--sessions", type=int, default=20)
     add("--size", type=int, default=2048)
     add("--timeout", type=float, help="per-run drain timeout, s (default 5 x T_min + 60)")
+    add(
+        "--postfix-concurrency",
+        type=int,
+        help="smtp_destination_concurrency_limit (default: --admin-connections; 0: stock 20)",
+    )
+    add(
+        "--mq-option",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="extra -o for the shaped mtaqueue run after the release (experiments)",
+    )
     add("--skip-mtaqueue", action="store_true")
     add("--skip-naive", action="store_true")
     add("--skip-postfix", action="store_true")
@@ -961,14 +1092,17 @@ def main() -> int:
     runs: list[Run] = []
     try:
         if not args.skip_mtaqueue:
-            runs.append(run_mtaqueue(s, workdir, False, timeout, tag + "m"))
+            runs.append(run_mtaqueue(s, workdir, False, timeout, tag + "m", args.mq_option))
             print_run(runs[-1], s)
         if not args.skip_naive:
             runs.append(run_mtaqueue(s, workdir, True, timeout, tag + "n"))
             print_run(runs[-1], s)
         if not args.skip_postfix:
             if postfix_available():
-                runs.append(run_postfix(s, workdir, timeout, tag + "p"))
+                concurrency = args.postfix_concurrency
+                if concurrency is None:
+                    concurrency = args.admin_connections
+                runs.append(run_postfix(s, workdir, timeout, tag + "p", concurrency))
                 print_run(runs[-1], s)
             else:
                 print("postfix: not available (needs root and Debian's postfix); skipped")
@@ -1000,6 +1134,19 @@ def main() -> int:
                     "error": r.error,
                     "log": r.extra.get("log"),
                     "states": summarize_states(r),
+                    "depth": r.depth,
+                    "probes": r.probes,
+                    "destination_samples": [
+                        [
+                            t,
+                            *(
+                                [e["queued"], e["active"], e["limit"], e["mode"], e["circuit"]]
+                                for e in entries
+                                if e["destination"].startswith("mx1.provider.test")
+                            ),
+                        ]
+                        for t, entries in r.states
+                    ],
                 }
                 for r in runs
             },
@@ -1032,7 +1179,9 @@ def summarize_states(run: Run) -> dict[str, Any]:
         "backoff_from_to": [min(backoff), max(backoff)] if backoff else None,
         "circuit_samples": dict(circuit),
         "max_trips": trips,
-        "concurrency_limit_median_max": [statistics.median(limits), max(limits)] if limits else None,
+        "concurrency_limit_median_max": [statistics.median(limits), max(limits)]
+        if limits
+        else None,
         "rate_per_minute_min": min(rates) if rates else None,
     }
 
@@ -1060,6 +1209,10 @@ def print_run(run: Run, s: Scenario) -> None:
         f"p0 p50 {fmt(f['p0_p50'])} p99 {fmt(f['p0_p99'])} max {fmt(f['p0_max'])} "
         f"({f['p0_delivered']}/{f['p0_total']}); p2 p50 {fmt(f['p2_p50'], 1)} p99 "
         f"{fmt(f['p2_p99'], 1)}"
+    )
+    print(
+        f"first MAIL at the provider {fmt(f['first_attempt_s'])} s after release; longest "
+        f"pause in sending: {f['longest_pause']}"
     )
     log = run.extra.get("log") or {}
     for row in (log.get("attempts") or [])[:8]:
