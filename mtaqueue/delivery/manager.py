@@ -42,7 +42,7 @@ from ..policy.settle import (
 )
 from ..policy.shaper import DestinationShaper, pacing_for
 from ..routing.nexthop import NextHop, next_hop
-from ..routing.resolver import Resolver, RouteFailure
+from ..routing.resolver import Resolver, Route, RouteFailure
 from ..smtp.addresses import domain_of
 from ..smtp.client import ClientSettings, SmtpConnection
 from ..spool.message_file import CorruptMessageFile
@@ -179,14 +179,19 @@ class DeliveryManager:
     async def _timer(self) -> None:
         while not self._closing:
             now = time.time()
+            # Everything due now is routed together: one lookup per next hop, not one per
+            # message (a restart can make thousands due in the same moment).
+            batch: dict[NextHop, list[tuple[Message, list[int]]]] = {}
             while self._heap and self._heap[0][0] <= now:
                 _, _, message_id = heapq.heappop(self._heap)
                 try:
-                    self._dispatch(message_id, now)
+                    self._dispatch(message_id, now, batch)
                 except Exception:  # one bad record must not stop all delivery
                     log.exception("dispatch_failed", id=message_id)
                     self._busy.pop(message_id, None)
                     self._schedule(message_id, now + RECOVER_AFTER)
+            for hop, work in batch.items():
+                self._spawn(self._route(hop, work))
             timeout = self._heap[0][0] - now if self._heap else None
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -217,7 +222,10 @@ class DeliveryManager:
 
     # -- dispatch ----------------------------------------------------------------------
 
-    def _dispatch(self, message_id: str, now: float) -> None:
+    def _dispatch(
+        self, message_id: str, now: float, batch: dict[NextHop, list[tuple[Message, list[int]]]]
+    ) -> None:
+        """Add the message's due recipients to `batch`, grouped by next hop."""
         message = self.spool.messages.get(message_id)
         if message is None or message.held or self._closing:
             return
@@ -233,22 +241,32 @@ class DeliveryManager:
             return
         for hop, indexes in groups.items():
             busy.update(indexes)
-            self._spawn(self._route(message, hop, indexes))
+            batch.setdefault(hop, []).append((message, indexes))
 
-    async def _route(self, message: Message, hop: NextHop, indexes: list[int]) -> None:
+    async def _route(self, hop: NextHop, work: list[tuple[Message, list[int]]]) -> None:
         try:
-            await self._route_and_queue(message, hop, indexes)
+            route = await self.resolver.route(hop)
         except Exception:
-            log.exception("routing_failed", id=message.id, hop=hop.host)
-            self._retry_later(message.id, indexes)
+            log.exception("routing_failed", hop=hop.host)
+            route = None
+        for message, indexes in work:
+            try:
+                if route is None:
+                    self._retry_later(message.id, indexes)
+                else:
+                    self._queue(message, hop, indexes, route)
+            except Exception:
+                log.exception("routing_failed", id=message.id, hop=hop.host)
+                self._retry_later(message.id, indexes)
 
     def _retry_later(self, message_id: str, indexes: list[int]) -> None:
         """After an unexpected error: free the recipients and try again later, uncharged."""
         self._unbusy(message_id, indexes)
         self._schedule(message_id, time.time() + RECOVER_AFTER)
 
-    async def _route_and_queue(self, message: Message, hop: NextHop, indexes: list[int]) -> None:
-        route = await self.resolver.route(hop)
+    def _queue(
+        self, message: Message, hop: NextHop, indexes: list[int], route: Route | RouteFailure
+    ) -> None:
         if isinstance(route, RouteFailure):
             reply = Reply("dns", 0, route.status, route.text, network="dns")
             results = [self.sender.result(i, reply, None, None) for i in indexes]
