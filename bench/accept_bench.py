@@ -124,8 +124,9 @@ def print_medians(mq_rates: list[float], pf_rates: list[float], unit: str) -> No
         print(f"ratio mtaqueue/postfix: {mq_median / pf_median:.2f}")
 
 
-def fill_spool(spool: Path, count: int, size: int) -> None:
-    """Write `count` queued messages with the spool's own writer (fast, no SMTP)."""
+def fill_spool(spool: Path, count: int, size: int, domains: int = 50) -> None:
+    """Write `count` queued messages to `domains` domains with the spool's own writer
+    (fast, no SMTP)."""
     SpoolLayout(spool).create()
     writer = SpoolWriter(spool, compact_size=1 << 40, dedupe_window=86400)
     ids = IdGenerator()
@@ -136,7 +137,7 @@ def fill_spool(spool: Path, count: int, size: int) -> None:
         message = Message(
             id=queue_id,
             sender="app@example.com",
-            recipients=(Recipient(f"user{i}@example{i % 50}.org"),),
+            recipients=(Recipient(f"user{i}@example{i % domains}.org"),),
             created=time.time(),
             size=len(content),
             klass=("p0", "p1", "p2")[i % 3],
