@@ -16,7 +16,9 @@ against a fresh synthetic provider (`bench/synthetic_peer.py` as a subprocess, a
    start, no rates, breaker and backoff mode off, retries after 10 ms, no restart spread):
    "resend everything now".
 3. `postfix` (when installed and running as root): a private Postfix relaying to the same
-   provider (`relayhost = [127.0.0.2]:PORT`), its retry timers scaled the same way.
+   provider (`relayhost = [127.0.0.2]:PORT`), its retry timers scaled the same way and its
+   destination concurrency set to the admin's connection count (`--postfix-concurrency`,
+   0 for Postfix's stock 20); it has no rate knob that fits (whole seconds per message).
 
 Each run: the MTA is filled while delivery is off (mtaqueue: `delivery.enabled = false`;
 Postfix: `defer_transports = smtp`) by an SMTP submitter (20 sessions, one unique
@@ -982,23 +984,37 @@ def plot(runs: list[Run], s: Scenario, outdir: Path) -> list[Path]:
         fig.savefig(path, dpi=80)
         plt.close(fig)
         paths.append(path)
+    series = []
+    for run in runs:
+        f = figures(run, s)
+        label = f"{run.label}: {f['delivered']} delivered, {f['failed_dsn']} bounced"
+        series.append((label, run.depth))
+    paths.append(plot_depth(series, s, end, outdir / "recovery_storm_depth.png"))
+    return paths
+
+
+def plot_depth(series: list[tuple[str, list]], s: Scenario, end: float, path: Path) -> Path:
+    """The queue depths of the runs in one figure: (label, [(t, depth), ...]) each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 3.6), dpi=80)
-    for run, color in zip(runs, ("tab:blue", "tab:red", "tab:purple"), strict=False):
-        if run.depth:
-            ax.plot(*zip(*run.depth, strict=True), color=color, lw=1.6, label=run.label)
+    for (label, depth), color in zip(series, ("tab:blue", "tab:red", "tab:purple"), strict=False):
+        if depth:
+            ax.plot(*zip(*depth, strict=True), color=color, lw=1.6, label=label)
     ax.axvline(s.t_min, color="grey", ls=":", lw=1, label="T_min")
     ax.set_xlabel("seconds after release")
-    ax.set_ylabel("messages queued")
+    ax.set_ylabel("messages queued (delivered or bounced)")
     ax.set_xlim(0, end)
     ax.set_ylim(0, s.messages * 1.05)
     ax.legend(fontsize=8)
     ax.set_title(f"Queue depth after the outage: {s.messages} messages", fontsize=9)
     fig.tight_layout()
-    path = outdir / "recovery_storm_depth.png"
     fig.savefig(path, dpi=80)
     plt.close(fig)
-    paths.append(path)
-    return paths
+    return path
 
 
 # -- main ----------------------------------------------------------------------------------
