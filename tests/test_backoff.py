@@ -55,6 +55,17 @@ def test_from_config_overrides():
     assert RetryPolicy.from_config(cfg.retry) == RetryPolicy((60.0, 120.0), (H, H), 0.0, 300.0)
 
 
+def test_the_first_class_has_a_tenth_of_the_jitter():
+    first = RetryPolicy.from_config(RetryConfig(), first_class=True)
+    assert first.jitter == pytest.approx(0.01)
+    assert first.schedule == DEFAULT.schedule and first.greylist_min == DEFAULT.greylist_min
+    # Greylisted for the default 5 min (the first step too): back within 1% of the window,
+    # where bulk may take up to 10% more.
+    assert next_attempt(first, 1, 0.0, HIGH, kind="greylisting") == pytest.approx(303)
+    assert next_attempt(first, 1, 0.0, LOW, kind="greylisting") == pytest.approx(300)
+    assert next_attempt(DEFAULT, 1, 0.0, HIGH, kind="greylisting") == pytest.approx(330)
+
+
 def test_steps_are_taken_as_configured():
     # A first step longer than the rest is the operator's choice (and a test's).
     cfg = load(None, ['retry.schedule=["30s"]', 'retry.then=["6s", "8s"]'])

@@ -45,12 +45,15 @@ def report(shaper: DestinationShaper, now: float, reply: Reply, times: int = 1) 
         shaper.result(now, reply, classify(reply))
 
 
-def slots(shaper: DestinationShaper, now: float, first_class: bool) -> int:
-    """How many connections may be open at once for this kind of work."""
-    active = 0
-    while shaper.connect_wait(now, active, first_class) == 0:
-        active += 1
-    return active
+def slots(shaper: DestinationShaper, now: float) -> tuple[int, int]:
+    """How many connections may be open at once: (ordinary, first-class only), opening
+    ordinary ones first as the queue manager does."""
+    ordinary = reserved = 0
+    while shaper.connect_wait(now, ordinary, 0, first_class=False) == 0:
+        ordinary += 1
+    while shaper.connect_wait(now, ordinary + reserved, reserved, first_class=True) == 0:
+        reserved += 1
+    return ordinary, reserved
 
 
 def grow_to(shaper: DestinationShaper, now: float, limit: int) -> None:
@@ -64,34 +67,59 @@ def grow_to(shaper: DestinationShaper, now: float, limit: int) -> None:
 def test_starts_at_the_initial_concurrency():
     shaper = shaper_at()
     assert shaper.concurrency.limit == 2
-    assert shaper.connect_wait(0.0, 0, first_class=False) == 0
-    assert shaper.connect_wait(0.0, 2, first_class=True) == math.inf
+    assert shaper.connect_wait(0.0, 0, 0, first_class=False) == 0
+    assert shaper.connect_wait(0.0, 2, 0, first_class=True) == math.inf
     assert shaper.send_wait(0.0) == 0  # no rate configured
 
 
 def test_reserved_slot_for_the_first_class():
     shaper = shaper_at()
     # At limit 2 one slot is bulk's, the other the first class's.
-    assert (slots(shaper, 0.0, False), slots(shaper, 0.0, True)) == (1, 2)
+    assert slots(shaper, 0.0) == (1, 1)
     grow_to(shaper, 0.0, 4)
-    assert (slots(shaper, 0.0, False), slots(shaper, 0.0, True)) == (3, 4)
+    assert slots(shaper, 0.0) == (3, 1)
     # Cut to 1: bulk keeps its one connection (never starved), p0 goes first on it.
     report(shaper, 0.0, THROTTLED, times=2)
     assert shaper.concurrency.limit == 1
-    assert (slots(shaper, 0.0, False), slots(shaper, 0.0, True)) == (1, 1)
+    assert slots(shaper, 0.0) == (1, 0)
+
+
+def test_first_class_connections_do_not_take_the_ordinary_share():
+    shaper = shaper_at()
+    grow_to(shaper, 0.0, 4)
+    # Two first-class-only connections opened while the limit grew (1 ordinary, 2
+    # reserved, e.g. during a p0 wave): bulk may still open two more ordinary ones.
+    assert shaper.connect_wait(0.0, 3, 2, first_class=False) == 0
+    assert shaper.connect_wait(0.0, 4, 2, first_class=False) == math.inf
+    assert shaper.connect_wait(0.0, 4, 3, first_class=True) == math.inf
 
 
 def test_no_reserve():
     shaper = shaper_at(pacing=Pacing(max_connections=4, initial_connections=4, reserved_p0=0))
-    assert (slots(shaper, 0.0, False), slots(shaper, 0.0, True)) == (4, 4)
+    assert slots(shaper, 0.0) == (4, 0)
+
+
+def test_connections_over_a_lowered_limit_close():
+    shaper = shaper_at(pacing=Pacing(max_connections=4, initial_connections=4))
+    assert all(shaper.keeps(0.0, 4, 1, first_class) for first_class in (False, True))
+    shaper.override(0.0, rate_per_minute=None, concurrency=2, until=None)
+    # 3 ordinary + 1 reserved open at limit 2 (share 1): one ordinary may stay.
+    assert not shaper.keeps(0.0, 4, 1, first_class=False)
+    assert not shaper.keeps(0.0, 4, 1, first_class=True)
+    assert not shaper.keeps(0.0, 3, 1, first_class=False)  # 2 ordinary, share 1
+    assert shaper.keeps(0.0, 2, 1, first_class=False)
+    assert shaper.keeps(0.0, 2, 1, first_class=True)
+    # A first-class connection with its work done turns ordinary if there is room.
+    assert not shaper.keeps(0.0, 2, 0, first_class=False)
+    assert shaper.keeps(0.0, 1, 0, first_class=False)
 
 
 def test_connection_rate():
     shaper = shaper_at(pacing=Pacing(connections_per_minute=6, burst=1))
-    assert shaper.connect_wait(0.0, 0, False) == 0
+    assert shaper.connect_wait(0.0, 0, 0, False) == 0
     shaper.connected(0.0)
-    assert shaper.connect_wait(0.0, 1, True) == pytest.approx(10.0)
-    assert shaper.connect_wait(10.0, 1, True) == 0
+    assert shaper.connect_wait(0.0, 1, 0, True) == pytest.approx(10.0)
+    assert shaper.connect_wait(10.0, 1, 0, True) == 0
 
 
 def test_message_rate_allows_the_burst_then_paces():
@@ -188,19 +216,19 @@ def test_breaker_open_probe_and_ramp_from_one():
         shaper.connect_failed(10.0)
     snap = shaper.snapshot(10.0)
     assert (snap["circuit"], snap["reopen_at"], snap["trips"]) == ("open", 40.0, 1)
-    assert shaper.connect_wait(10.0, 0, True) == pytest.approx(30.0)  # the cooldown left
+    assert shaper.connect_wait(10.0, 0, 0, True) == pytest.approx(30.0)  # the cooldown left
     # Half-open: one probe.
-    assert shaper.connect_wait(40.0, 0, False) == 0
+    assert shaper.connect_wait(40.0, 0, 0, False) == 0
     shaper.connected(40.0)
     assert shaper.snapshot(40.0)["circuit"] == "half-open"
-    assert shaper.connect_wait(40.0, 1, True) == math.inf
-    assert shaper.connect_wait(40.0, 0, True) == math.inf  # not even with nothing open
+    assert shaper.connect_wait(40.0, 1, 0, True) == math.inf
+    assert shaper.connect_wait(40.0, 0, 0, True) == math.inf  # not even with nothing open
     # The probe delivers: closed, and concurrency ramps up from 1.
     report(shaper, 41.0, DELIVERED)
     assert shaper.snapshot(41.0)["circuit"] == "closed"
     assert shaper.concurrency.limit == 1
-    assert shaper.connect_wait(41.0, 0, False) == 0
-    assert shaper.connect_wait(41.0, 1, False) == math.inf
+    assert shaper.connect_wait(41.0, 0, 0, False) == 0
+    assert shaper.connect_wait(41.0, 1, 0, False) == math.inf
     report(shaper, 42.0, DELIVERED)
     assert shaper.concurrency.limit == 2
 
@@ -322,7 +350,7 @@ def test_override_and_its_expiry():
     snap = shaper.snapshot(0.0)
     assert (snap["max"], snap["limit"], snap["messages_per_minute"]) == (1, 1, 6)
     assert snap["override"] == {"rate_per_minute": 6, "concurrency": 1, "until": 100.0}
-    assert shaper.connect_wait(50.0, 1, True) == math.inf
+    assert shaper.connect_wait(50.0, 1, 0, True) == math.inf
     shaper.sent(50.0)
     assert shaper.send_wait(50.0) == 0  # the burst
     # Expired: the configured limits are back (the limit grows back by successes).
@@ -426,20 +454,33 @@ class Shaper(RuleBasedStateMachine):
         )
         self.shaper = shaper_at(pacing=pacing)
         self.now = 0.0
-        self.active = 0
+        self.open: list[bool] = []  # the connections open: first-class only or not
         self.sends: list[float] = []
 
     @rule(first_class=st.booleans())
     def connect(self, first_class):
-        wait = self.shaper.connect_wait(self.now, self.active, first_class)
+        wait = self.shaper.connect_wait(self.now, len(self.open), sum(self.open), first_class)
         assert wait >= 0
         if wait == 0:
             self.shaper.connected(self.now)
-            self.active += 1
+            self.open.append(first_class)
 
     @rule()
     def close(self):
-        self.active = max(0, self.active - 1)
+        if self.open:
+            self.open.pop(0)
+
+    @rule()
+    def each_takes_work(self):
+        """Every connection asks whether it may go on, as workers do between messages:
+        afterwards the open ones fit the limit and the ordinary ones their share."""
+        for first_class in list(self.open):
+            if not self.shaper.keeps(self.now, len(self.open), sum(self.open), first_class):
+                self.open.remove(first_class)
+        limit = self.shaper.concurrency.limit
+        ordinary = len(self.open) - sum(self.open)
+        assert len(self.open) <= limit
+        assert ordinary <= max(1, limit - self.shaper.pacing.reserved_p0)
 
     @rule()
     def send(self):
@@ -471,7 +512,7 @@ class Shaper(RuleBasedStateMachine):
     @invariant()
     def circuit_and_admission_agree(self):
         snap = self.shaper.snapshot(self.now)
-        wait = self.shaper.connect_wait(self.now, 0, True)
+        wait = self.shaper.connect_wait(self.now, 0, 0, True)
         if snap["circuit"] == "open":
             assert wait == pytest.approx(snap["reopen_at"] - self.now)
         elif snap["circuit"] == "closed":

@@ -195,6 +195,41 @@ def test_restart_with_an_overdue_backlog_sends_p0_first(provider):
     assert times[-1] - times[1] > 1.0  # the bulk was spread out, not a herd
 
 
+def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
+    """A p0 wave while concurrency grows opens reserved (first-class) connections; once
+    the p0 mail is gone and an operator lowers the limit, the connections over it close
+    and the bulk goes on over the ones left."""
+    daemon = provider.daemon(
+        "delivery.enabled=false",
+        "shaping.default.max_connections=4",
+        "shaping.default.initial_connections=1",
+        "shaping.default.reserved_p0=1",
+        "shaping.default.messages_per_minute=900",
+        "shaping.default.burst=1",
+        "retry.restart_spread=0s",
+        "delivery.connection_idle=30s",  # idle connections would linger
+    )
+    for i in range(30):
+        send_class(daemon, "p0", f"reset{i}@example.org")
+    for i in range(150):
+        send_class(daemon, "p2", f"bulk{i}@example.org")
+    assert daemon.stop() == 0
+    daemon.overrides.append("delivery.enabled=true")
+    daemon.start()
+    mx = provider.mx
+    mx.wait_for(lambda: len(mx.messages) >= 45, timeout=30)  # the p0 wave and some bulk
+    assert {m.rcpt_tos[0] for m in mx.messages[:30]} == {f"reset{i}@example.org" for i in range(30)}
+    assert mx.max_active == 4  # the limit grew to 4 during the wave
+    assert ctl_json(daemon, "limit", "--domain", "example.org", "--concurrency", "2")
+    mx.wait_for(lambda: mx.active <= 2, timeout=5)  # the two over the limit closed
+    (dest,) = ctl_json(daemon, "domains")
+    assert dest["active"] <= 2 and dest["queued"]["p2"] > 0
+    delivered = len(mx.messages)
+    mx.wait_for(lambda: len(mx.messages) >= delivered + 20, timeout=5)  # bulk goes on
+    assert mx.active <= 2
+    wait_for(lambda: not daemon.messages(), timeout=30, what="the backlog to drain")
+
+
 def test_delete_bounce_requeue_and_selection_filters(provider):
     provider.mx.on("rcpt", "451 4.3.0 try later")
     daemon = provider.daemon('retry.schedule=["60s"]')

@@ -51,8 +51,9 @@ class Destination:
         self.queue: FairQueue[WorkItem] = FairQueue(classes)
         self.domains: set[str] = set()
         self.active = 0  # open connections (workers)
+        self.reserved = 0  # of which for first-class work only
         self.idle = 0  # of which waiting for the next item
-        self.arrived = asyncio.Event()
+        self.arrived = asyncio.Event()  # wakes idle workers: new work, or a lower limit
         self.pump_at: asyncio.TimerHandle | None = None
         self.last_replies: deque[str] = deque(maxlen=5)
         self._window: deque[tuple[float, int]] = deque()  # (time, reply class digit)

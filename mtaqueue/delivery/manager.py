@@ -94,10 +94,11 @@ class DeliveryManager:
         now = time.time()
         client = ClientSettings(d.helo_name or self.hostname, d.timeouts, d.tls)
         self.sender = Sender(client, rules, self.hosts, d)
-        retry = RetryPolicy.from_config(cfg.retry)
+        self.classes = {name: (c.priority, c.weight) for name, c in cfg.classes.items()}
+        self.first_class = min(self.classes, key=lambda n: (self.classes[n][0], n))
         self.settle_settings = {
             name: SettleSettings(
-                retry=retry,
+                retry=RetryPolicy.from_config(cfg.retry, first_class=name == self.first_class),
                 lifetime=c.lifetime,
                 expire_action=c.expire_action,
                 delay_after=cfg.dsn.delay_after,
@@ -105,8 +106,6 @@ class DeliveryManager:
             )
             for name, c in cfg.classes.items()
         }
-        self.classes = {name: (c.priority, c.weight) for name, c in cfg.classes.items()}
-        self.first_class = min(self.classes, key=lambda n: (self.classes[n][0], n))
         self.rate = TokenBucket(config.parse_rate(d.max_rate), 1, now) if d.max_rate else None
         tenant_rate = cfg.shaping.tenant_rate
         self.tenant_rate = config.parse_rate(tenant_rate) if tenant_rate else 0.0
@@ -310,11 +309,14 @@ class DeliveryManager:
             if self.active_workers >= self.cfg.delivery.max_connections:
                 return  # a finishing worker calls _restaff
             now = time.time()
-            wait = shaper.connect_wait(now, destination.active, first_class=False)
-            reserved = False
+            active, reserved = destination.active, destination.reserved
+            wait = shaper.connect_wait(now, active, reserved, first_class=False)
+            first_class = False
             if wait > 0 and destination.queue.first_class_waiting():
-                reserved_wait = shaper.connect_wait(now, destination.active, first_class=True)
-                reserved, wait = reserved_wait == 0, min(wait, reserved_wait)
+                # The ordinary connections are busy or paced: first-class mail may use a
+                # reserved slot.
+                reserved_wait = shaper.connect_wait(now, active, reserved, first_class=True)
+                first_class, wait = reserved_wait == 0, min(wait, reserved_wait)
             if wait > 0:
                 if wait != math.inf:
                     loop = asyncio.get_running_loop()
@@ -322,8 +324,9 @@ class DeliveryManager:
                 return
             shaper.connected(now)
             destination.active += 1
+            destination.reserved += first_class
             self.active_workers += 1
-            self._spawn(self._worker(destination, reserved))
+            self._spawn(self._worker(destination, first_class))
 
     def _restaff(self) -> None:
         """A connection slot came free: give it to a destination with waiting mail."""
@@ -331,12 +334,31 @@ class DeliveryManager:
             if len(destination.queue) > destination.idle:
                 self._pump(destination)
 
-    async def _worker(self, destination: Destination, reserved: bool) -> None:
+    async def _worker(self, destination: Destination, first_class: bool) -> None:
+        """One connection's life: take work from the destination's queue (first-class work
+        only if `first_class`) while the shaper keeps it, then quit."""
         conn: SmtpConnection | None = None
+        shaper = destination.shaper
         try:
             eligible = self._tenant_ready if self.tenant_rate else None
             while not self._closing:
-                item = destination.queue.pop(first_class_only=reserved, eligible=eligible)
+                if not shaper.keeps(
+                    time.time(), destination.active, destination.reserved, first_class
+                ):
+                    break
+                wait = self._send_wait(destination) if len(destination.queue) else 0.0
+                if wait > 0:
+                    # Choose the item when it can go, not before: mail that arrives
+                    # meanwhile (p0) is taken first, and a lowered limit applies.
+                    await asyncio.sleep(wait)
+                    continue
+                item = destination.queue.pop(first_class_only=first_class, eligible=eligible)
+                if item is None and first_class:
+                    # The first-class work is done: go on as an ordinary connection if
+                    # there is room for one (checked above), else close.
+                    first_class = False
+                    destination.reserved -= 1
+                    continue
                 if item is None:
                     if len(destination.queue) and eligible is not None:
                         await asyncio.sleep(0.1)  # only capped tenants wait: not idle
@@ -344,9 +366,7 @@ class DeliveryManager:
                     if conn is None or not await self._idle(destination):
                         break
                     continue
-                if item.tenant is not None and self.tenant_rate:
-                    self._tenants[item.tenant].take(time.time())
-                await self._paced(destination)
+                self._sent(destination, item.tenant)
                 try:
                     conn = await self._attempt(destination, item, conn)
                 except Exception:
@@ -355,13 +375,13 @@ class DeliveryManager:
                     if conn is not None:
                         conn.abort()
                     conn = None
-                if destination.active > destination.shaper.concurrency.limit:
-                    break  # over the (lowered) concurrency limit: this connection goes
         finally:
+            # The slot is free from here: the QUIT below is one round trip.
+            destination.active -= 1
+            destination.reserved -= first_class
+            self.active_workers -= 1
             if conn is not None:
                 await conn.quit()
-            destination.active -= 1
-            self.active_workers -= 1
             self._retire(destination)
             self._restaff()
 
@@ -387,19 +407,22 @@ class DeliveryManager:
             destination.idle -= 1
         return True
 
-    async def _paced(self, destination: Destination) -> None:
-        """Wait for the destination's and the global message rates (not an attempt)."""
-        while True:
-            now = time.time()
-            wait = destination.shaper.send_wait(now)
-            if self.rate is not None:
-                wait = max(wait, self.rate.wait(now))
-            if wait <= 0:
-                destination.shaper.sent(now)
-                if self.rate is not None:
-                    self.rate.take(now)
-                return
-            await asyncio.sleep(wait)
+    def _send_wait(self, destination: Destination) -> float:
+        """Seconds until the destination's and the global message rates let one more
+        message go (pacing, not an attempt)."""
+        now = time.time()
+        wait = destination.shaper.send_wait(now)
+        if self.rate is not None:
+            wait = max(wait, self.rate.wait(now))
+        return wait
+
+    def _sent(self, destination: Destination, tenant: str | None) -> None:
+        now = time.time()
+        destination.shaper.sent(now)
+        if self.rate is not None:
+            self.rate.take(now)
+        if tenant is not None and self.tenant_rate:
+            self._tenants[tenant].take(now)
 
     def _retire(self, destination: Destination) -> None:
         """Forget a destination with nothing to do and nothing to remember."""
@@ -448,9 +471,14 @@ class DeliveryManager:
             return outcome.conn
         # One signal per reply, not per recipient: a 421 after DATA for 50 recipients is
         # one throttle signal, not fifty.
+        limit = shaper.concurrency.limit
         for result in {id(r.reply): r for r in outcome.results}.values():
             shaper.result(now, result.reply, result.verdict)
             destination.record(now, result.reply)
+        if shaper.concurrency.limit < limit:
+            destination.arrived.set()  # idle connections over the new limit close
+        elif shaper.concurrency.limit > limit:
+            self._pump(destination)  # room for one more connection to the backlog
         self._finish(
             item.message_id,
             item.indexes,
@@ -647,6 +675,7 @@ class DeliveryManager:
         matched = [d for d in self.destinations.values() if name == d.key or name in d.domains]
         for destination in matched:
             apply(destination.shaper, now)
+            destination.arrived.set()  # idle connections over a lowered limit close
             self._pump(destination)
         return len(matched)
 

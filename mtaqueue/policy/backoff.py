@@ -38,11 +38,16 @@ class RetryPolicy(msgspec.Struct, frozen=True):
             raise ValueError("retry.jitter must be at least 0 and below 1")
 
     @classmethod
-    def from_config(cls, retry: config.RetryConfig) -> RetryPolicy:
+    def from_config(cls, retry: config.RetryConfig, *, first_class: bool = False) -> RetryPolicy:
+        """The first class (p0) gets a tenth of the jitter: it is a small share whose point
+        is latency (a password reset greylisted for 5 min should not wait 30 s more), and
+        pacing still spreads it when it comes due. A sliver remains, so that a greylisted
+        p0 wave does not come back in the very second its window ends."""
+        jitter = float(retry.jitter)
         return cls(
             schedule=tuple(float(step) for step in retry.schedule),
             then=(float(retry.then[0]), float(retry.then[1])),
-            jitter=float(retry.jitter),
+            jitter=jitter / 10 if first_class else jitter,
             greylist_min=float(retry.greylist_min),
         )
 

@@ -7,10 +7,12 @@ manager's own `TokenBucket`, not this.
 Admission rules:
 - A new connection needs the breaker's leave (closed, or the one half-open probe), a free
   slot, and a token of the connections_per_minute bucket.
-- Slots: every connection counts against the adaptive limit L. The last `reserved_p0` of L
-  are for first-class work only: other work may hold at most max(1, L - reserved_p0)
-  connections, first-class work up to L. The floor of 1 keeps bulk moving when L is 1
-  (then first-class mail goes first on that one connection, as the queue pops it first).
+- Slots: every connection counts against the adaptive limit L. Ordinary connections take
+  any class (the queue pops first-class mail first) and may number max(1, L - reserved_p0);
+  the rest of L is for connections that take first-class work only, opened when such work
+  waits and the ordinary ones are all busy. The floor of 1 keeps bulk moving when L is 1.
+  An open connection keeps working while it would be admitted again: when L drops, the
+  connections over it close as they finish their message.
 - A message needs a token of the messages_per_minute bucket. An open breaker stops new
   connections only: one already open may finish its work.
 
@@ -87,17 +89,24 @@ class DestinationShaper:
 
     # -- admission ---------------------------------------------------------------------
 
-    def connect_wait(self, now: float, active: int, first_class: bool) -> float:
-        """0.0: a connection may be opened now (`active` are open already). math.inf: not
-        until something happens (a slot frees, the breaker's probe reports). Else the
-        seconds to wait (the breaker's cooldown, the connection rate)."""
+    def connect_wait(self, now: float, active: int, reserved: int, first_class: bool) -> float:
+        """0.0: a connection may be opened now; `active` are open already, `reserved` of
+        them for first-class work only, and `first_class` says whether this one would be.
+        math.inf: not until something happens (a slot frees, the breaker's probe reports).
+        Else the seconds to wait (the breaker's cooldown, the connection rate)."""
         self._apply(now)
         breaker = self.breaker.wait(now)
-        limit = self.concurrency.limit
-        slots = limit if first_class else max(1, limit - self.pacing.reserved_p0)
-        if breaker == math.inf or active >= slots:
+        if breaker == math.inf or not self._room(active, reserved, first_class):
             return math.inf
         return max(breaker, self._connections.wait(now))
+
+    def keeps(self, now: float, active: int, reserved: int, first_class: bool) -> bool:
+        """Whether an open connection (counted in `active`, and in `reserved` if it is a
+        `first_class` one) may take more work: while it would be admitted again, rates
+        and the breaker aside. False after the limit dropped under the connections open
+        (a throttle cut, backoff, an operator's limit): the caller closes this one."""
+        self._apply(now)
+        return self._room(active - 1, reserved - first_class, first_class)
 
     def connected(self, now: float) -> None:
         """A connection is being opened (after `connect_wait` said 0)."""
@@ -203,6 +212,14 @@ class DestinationShaper:
         }
 
     # -- internals -----------------------------------------------------------------------
+
+    def _room(self, active: int, reserved: int, first_class: bool) -> bool:
+        """A slot for one more connection: under the limit, and for other than first-class
+        work also under the share outside the reserve."""
+        limit = self.concurrency.limit
+        if first_class:
+            return active < limit
+        return active < limit and active - reserved < max(1, limit - self.pacing.reserved_p0)
 
     def _failed(self, now: float, reply: Reply, verdict: Verdict) -> None:
         rule_hit = self.rules.hit(reply.line(), now)
