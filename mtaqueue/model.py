@@ -30,6 +30,7 @@ class Attempt(msgspec.Struct, frozen=True, array_like=True, gc=False):
     reply: str  # the reply line, or the network event
     mx: str | None = None
     outcome: str = ""  # delivered, transient, permanent, ambiguous
+    kind: str = ""  # the reply's kind: greylisting, throttling, mailbox, ... (policy.classify)
 
 
 class Recipient(msgspec.Struct, frozen=True, array_like=True, gc=False):

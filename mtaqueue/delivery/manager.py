@@ -28,7 +28,7 @@ from ..logs import get_logger
 from ..model import DEFERRED, QUEUED, Message, Recipient
 from ..policy.backoff import RetryPolicy, restart_due
 from ..policy.buckets import TokenBucket
-from ..policy.classify import classify, compile_rules
+from ..policy.classify import compile_rules
 from ..policy.fairness import FairQueue
 from ..policy.hosts import HostSuspensions
 from ..policy.replies import Reply
@@ -38,6 +38,7 @@ from ..policy.settle import (
     SettleSettings,
     bounce_now,
     expire_due,
+    flushed,
     settle,
 )
 from ..policy.shaper import DestinationShaper, pacing_for
@@ -605,10 +606,11 @@ class DeliveryManager:
         for message in messages:
             if message.held:
                 continue
-            recipients = [self._flushed(r, now) for r in message.recipients]
-            flushed = msgspec.structs.replace(message, recipients=tuple(recipients))
-            self.spool.update(flushed)
-            due = _earliest_due(flushed)
+            greylist_min = self.cfg.retry.greylist_min
+            recipients = [flushed(r, now, greylist_min) for r in message.recipients]
+            message = msgspec.structs.replace(message, recipients=tuple(recipients))
+            self.spool.update(message)
+            due = _earliest_due(message)
             if due is not None:
                 self._schedule(message.id, due)
                 count += 1
@@ -640,18 +642,6 @@ class DeliveryManager:
             self._busy.pop(message.id, None)
             self._apply(bounce_now(message, now, "550 5.0.0 returned by the administrator"), now)
         return len(ids)
-
-    def _flushed(self, rcpt: Recipient, now: float) -> Recipient:
-        if rcpt.state != DEFERRED:
-            return rcpt
-        due = now
-        if rcpt.last_reply and rcpt.last_attempt is not None:
-            code, _, rest = rcpt.last_reply.partition(" ")
-            if code.isdigit() and classify(Reply.parse("rcpt", int(code), rest)).kind == (
-                "greylisting"
-            ):
-                due = max(now, rcpt.last_attempt + self.cfg.retry.greylist_min)
-        return msgspec.structs.replace(rcpt, next_attempt=due)
 
     def limit(self, name: str, rate: float | None, concurrency: int | None, until: float | None):
         """Runtime limits for a destination (by domain or destination name)."""

@@ -83,7 +83,7 @@ def settle(
         old = recipients[result.index]
         verdict, reply = result.verdict, result.reply
         attempts = old.attempts + 1
-        attempt = Attempt(now, reply.line(), result.remote_mta, verdict.outcome)
+        attempt = Attempt(now, reply.line(), result.remote_mta, verdict.outcome, verdict.kind)
         common = {
             "attempts": attempts,
             "last_reply": reply.line(),
@@ -122,6 +122,18 @@ def settle(
     statuses = {r.index: r.verdict.status for r in results if r.verdict.status}
     _delay_notices(out, now, settings, statuses)
     return out
+
+
+def flushed(rcpt: Recipient, now: float, greylist_min: float) -> Recipient:
+    """A deferred recipient made due by an operator (mtaqueue-ctl flush): now, but not
+    before the greylist window of a greylisted last attempt, which would only be
+    greylisted again."""
+    if rcpt.state != DEFERRED:
+        return rcpt
+    due = now
+    if rcpt.history and rcpt.history[-1].kind == "greylisting":
+        due = max(now, rcpt.history[-1].time + greylist_min)
+    return msgspec.structs.replace(rcpt, next_attempt=due)
 
 
 def expire_due(message: Message, now: float, settings: SettleSettings) -> Settlement | None:
@@ -212,7 +224,7 @@ def _delay_notices(
         ):
             continue
         recipients[i] = msgspec.structs.replace(rcpt, delay_notified=True)
-        status = statuses.get(i) or _status_of(rcpt.last_reply) or "4.0.0"
+        status = statuses.get(i) or _transient(_status_of(rcpt.last_reply)) or "4.0.0"
         out.delayed.append(_report(rcpt, "delayed", status, now, retry_until=expires_at))
     out.message = msgspec.structs.replace(out.message, recipients=tuple(recipients))
 
@@ -243,6 +255,11 @@ def _status_of(reply: str | None) -> str:
     if len(parts) >= 2 and parts[1][:1] in "245" and parts[1].count(".") == 2:
         return parts[1]
     return ""
+
+
+def _transient(status: str) -> str:
+    """The status as a delay reports it: class 4 (a 5.2.2 that is being retried is 4.2.2)."""
+    return "4" + status[1:] if status else ""
 
 
 def _event(message: Message, rcpt: Recipient, result: Result, attempt: int, now: float) -> dict:
