@@ -8,7 +8,7 @@ import time
 import pytest
 from dns_server import DnsServer
 from e2e_helpers import BODY, FAST, events, wait_for
-from smtp_peer import peers_on_one_port
+from smtp_peer import Received, peers_on_one_port
 
 
 class Provider:
@@ -29,6 +29,13 @@ class Provider:
             f'dns.nameservers=["{self.dns.address}"]', f"delivery.port={self.mx.port}", *FAST,
             *overrides,
         )  # fmt: skip
+
+    def drain(self, daemon) -> list[Received]:
+        """Restart a daemon that was only queueing (delivery.enabled=false) delivering; when
+        its queue is empty, what the provider got, in order."""
+        restart_with_delivery(daemon)
+        wait_for(lambda: not daemon.messages(), timeout=30, what="the backlog to drain")
+        return list(self.mx.messages)
 
     def close(self) -> None:
         self.mx.stop()
@@ -51,6 +58,17 @@ def ctl_json(daemon, *args: str) -> list[dict]:
     result = daemon.ctl(*args, "--json")
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def restart_with_delivery(daemon) -> None:
+    """Stop a daemon that was queueing only and start it again delivering everything."""
+    assert daemon.stop() == 0
+    daemon.overrides.append("delivery.enabled=true")
+    daemon.start()
+
+
+def send_as(daemon, tenant: str, rcpt: str) -> str:
+    return daemon.send("app@sender.test", [rcpt], f"X-Tenant: {tenant}\r\n".encode() + BODY)
 
 
 def test_hold_and_release_by_domain_and_class(provider):
@@ -184,14 +202,9 @@ def test_restart_with_an_overdue_backlog_sends_p0_first(provider):
     for i in range(10):
         send_class(daemon, "p2", f"bulk{i}@example.org")
     send_class(daemon, "p0", "reset@example.org")
-    assert daemon.stop() == 0
-    daemon.overrides = [o for o in daemon.overrides if o != "delivery.enabled=false"]
-    daemon.overrides.append("delivery.enabled=true")
-    daemon.start()
-    wait_for(lambda: not daemon.messages(), timeout=30, what="the backlog to drain")
-    order = [m.rcpt_tos[0] for m in provider.mx.messages]
-    assert order[0] == "reset@example.org"
-    times = [m.time for m in provider.mx.messages]
+    received = provider.drain(daemon)
+    assert received[0].rcpt_tos == ["reset@example.org"]
+    times = [m.time for m in received]
     assert times[-1] - times[1] > 1.0  # the bulk was spread out, not a herd
 
 
@@ -213,9 +226,7 @@ def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
         send_class(daemon, "p0", f"reset{i}@example.org")
     for i in range(150):
         send_class(daemon, "p2", f"bulk{i}@example.org")
-    assert daemon.stop() == 0
-    daemon.overrides.append("delivery.enabled=true")
-    daemon.start()
+    restart_with_delivery(daemon)
     mx = provider.mx
     mx.wait_for(lambda: len(mx.messages) >= 45, timeout=30)  # the p0 wave and some bulk
     assert {m.rcpt_tos[0] for m in mx.messages[:30]} == {f"reset{i}@example.org" for i in range(30)}
@@ -228,6 +239,52 @@ def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
     mx.wait_for(lambda: len(mx.messages) >= delivered + 20, timeout=5)  # bulk goes on
     assert mx.active <= 2
     wait_for(lambda: not daemon.messages(), timeout=30, what="the backlog to drain")
+
+
+def test_tenants_take_turns_within_a_class(provider):
+    daemon = provider.daemon(
+        "delivery.enabled=false",
+        "submission.tenant_header=X-Tenant",
+        "shaping.default.max_connections=1",
+        "shaping.default.initial_connections=1",
+        "retry.restart_spread=0s",
+    )
+    for i in range(12):
+        send_as(daemon, "big", f"big{i}@example.org")
+    for i in range(3):
+        send_as(daemon, "small", f"small{i}@example.org")
+    received = provider.drain(daemon)
+    order = [m.rcpt_tos[0] for m in received]
+    # Round-robin: the small tenant's three go out among the first six, not after twelve.
+    assert max(order.index(f"small{i}@example.org") for i in range(3)) < 6
+    assert all(b"X-Tenant" not in m.content for m in received)  # removed
+
+
+def test_tenant_rate_caps_one_tenant_not_the_others(provider):
+    daemon = provider.daemon(
+        "delivery.enabled=false",
+        "submission.tenant_header=X-Tenant",
+        'shaping.tenant_rate="150/min"',  # one every 0.4 s per tenant
+        "retry.restart_spread=0s",
+    )
+    for i in range(6):
+        send_as(daemon, "capped", f"c{i}@example.org")
+    daemon.send("app@sender.test", ["free@example.org"], BODY)  # no tenant: no cap
+    times = {m.rcpt_tos[0]: m.time for m in provider.drain(daemon)}
+    capped = sorted(times[f"c{i}@example.org"] for i in range(6))
+    assert capped[-1] - capped[0] >= 5 * 0.4 - 0.1  # never faster than the cap
+    assert times["free@example.org"] < capped[2]  # not queued behind the capped tenant
+
+
+def test_global_rate_cap_over_all_destinations(provider):
+    daemon = provider.daemon('delivery.max_rate="300/min"')  # one every 0.2 s in all
+    for i in range(4):
+        send_class(daemon, "p1", f"a{i}@example.org")
+        send_class(daemon, "p1", f"b{i}@example.net")
+    wait_for(lambda: not daemon.messages(), timeout=30, what="the queue to drain")
+    times = sorted(m.time for m in provider.mx.messages)
+    assert len(times) == 8
+    assert times[-1] - times[0] >= 7 * 0.2 - 0.1  # never faster than the cap
 
 
 def test_delete_bounce_requeue_and_selection_filters(provider):
