@@ -7,6 +7,7 @@ import random
 from itertools import pairwise
 
 import pytest
+from fake_random import HIGH, LOW
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -22,20 +23,6 @@ from mtaqueue.policy.backoff import (
 
 M, H, D = 60.0, 3600.0, 86400.0
 DEFAULT = RetryPolicy.from_config(RetryConfig())
-
-
-class Edge(random.Random):
-    """A Random whose uniform() always returns one end of the range."""
-
-    def __init__(self, end: str) -> None:
-        super().__init__(0)
-        self.end = end
-
-    def uniform(self, a: float, b: float) -> float:
-        return a if self.end == "low" else b
-
-
-LOW, HIGH = Edge("low"), Edge("high")
 
 
 def policy(schedule=(5 * M, 15 * M), then=(4 * H, 6 * H), jitter=0.0, greylist_min=5 * M):

@@ -13,46 +13,29 @@ import json
 import time
 
 import pytest
-from dns_server import DnsServer
-from e2e_helpers import BODY, FAST, events, wait_for
-from smtp_peer import peers_on_one_port
+from e2e_helpers import BODY, FAST, MailNet, events, wait_for
 
 from mtaqueue.smtp.addresses import xtext_decode
 
 
-class World:
-    """DNS + peers + daemon for one test."""
+class World(MailNet):
+    """The test zones of the module docstring, their peers, and a daemon using them."""
 
     def __init__(self, start_daemon) -> None:
-        self.dns = DnsServer().start()
-        self.mx1, self.mx2, self.home = peers_on_one_port(["127.0.0.2", "127.0.0.3", "127.0.0.9"])
-        self.dns.add("example.org", "MX", "10 mx1.example.org")
-        self.dns.add("example.org", "MX", "20 mx2.example.org")
-        self.dns.add("mx1.example.org", "A", "127.0.0.2")
-        self.dns.add("mx2.example.org", "A", "127.0.0.3")
-        self.dns.add("sender.test", "MX", "10 mx.sender.test")
-        self.dns.add("mx.sender.test", "A", "127.0.0.9")
+        super().__init__(["127.0.0.2", "127.0.0.3", "127.0.0.9"])
+        self.mx1, self.mx2, self.home = self.peers
+        self.add_domain("example.org", "127.0.0.2", "127.0.0.3")  # mx1 (10), mx2 (20)
+        self.add_domain("sender.test", "127.0.0.9")
         self._start_daemon = start_daemon
 
     def daemon(self, *overrides: str):
-        return self._start_daemon(
-            f'dns.nameservers=["{self.dns.address}"]',
-            f"delivery.port={self.mx1.port}",
-            *FAST,
-            *overrides,
-        )
-
-    def close(self) -> None:
-        for peer in (self.mx1, self.mx2, self.home):
-            peer.stop()
-        self.dns.stop()
+        return self._start_daemon(*self.daemon_overrides(), *FAST, *overrides)
 
 
 @pytest.fixture
 def world(start_daemon):
-    w = World(start_daemon)
-    yield w
-    w.close()
+    with World(start_daemon) as w:
+        yield w
 
 
 def dsn_parts(received) -> tuple[email.message.Message, list]:
@@ -218,26 +201,17 @@ def test_dsn_parameters_passed_on_or_stripped_with_a_relayed_notice(world):
 
 
 def test_success_notice_when_the_next_hop_has_no_dsn(start_daemon):
-    dns = DnsServer().start()
-    plain, home = peers_on_one_port(["127.0.0.4", "127.0.0.9"], dsn=False)
-    try:
-        dns.add("nodsn.test", "MX", "10 mx.nodsn.test")
-        dns.add("mx.nodsn.test", "A", "127.0.0.4")
-        dns.add("sender.test", "MX", "10 mx.sender.test")
-        dns.add("mx.sender.test", "A", "127.0.0.9")
-        daemon = start_daemon(
-            f'dns.nameservers=["{dns.address}"]', f"delivery.port={plain.port}", *FAST
-        )
+    with MailNet(["127.0.0.4", "127.0.0.9"], dsn=False) as net:
+        plain, home = net.peers
+        net.add_domain("nodsn.test", "127.0.0.4")
+        net.add_domain("sender.test", "127.0.0.9")
+        daemon = start_daemon(*net.daemon_overrides(), *FAST)
         daemon.send("app@sender.test", ["c@nodsn.test"], BODY, rcpt_options=["NOTIFY=SUCCESS"])
         (received,) = wait_for(lambda: plain.messages)
         assert received.rcpt_options == [[]]  # no DSN parameters to a server without DSN
         (notice,) = wait_for(lambda: home.messages, what="the relayed notice")
         _, groups = dsn_parts(notice)
         assert groups[1]["Action"] == "relayed"
-    finally:
-        plain.stop()
-        home.stop()
-        dns.stop()
 
 
 def test_connection_lost_after_the_dot_is_ambiguous_and_retried(world):
@@ -287,21 +261,14 @@ def test_too_many_recipients_go_in_another_transaction(world):
 
 
 def test_smtputf8_message_to_a_server_without_it_bounces(start_daemon):
-    dns = DnsServer().start()
-    (plain,) = peers_on_one_port(["127.0.0.4"], smtputf8=False)
-    try:
-        dns.add("ascii.test", "MX", "10 mx.ascii.test")
-        dns.add("mx.ascii.test", "A", "127.0.0.4")
-        daemon = start_daemon(
-            f'dns.nameservers=["{dns.address}"]', f"delivery.port={plain.port}", *FAST
-        )
+    with MailNet(["127.0.0.4"], smtputf8=False) as net:
+        (plain,) = net.peers
+        net.add_domain("ascii.test", "127.0.0.4")
+        daemon = start_daemon(*net.daemon_overrides(), *FAST)
         daemon.send("jörg@ascii.test", ["c@ascii.test"], BODY, mail_options=["SMTPUTF8"])
         event = wait_for(lambda: events(daemon, "delivery"))[0]
         assert event["outcome"] == "permanent" and event["enhanced"] == "5.6.7"
         assert plain.messages == []
-    finally:
-        plain.stop()
-        dns.stop()
 
 
 def test_messages_to_one_server_share_a_connection(world):
@@ -368,20 +335,13 @@ def test_one_delay_notice_when_asked(world):
 def test_starttls_used_when_offered(start_daemon, tmp_path):
     from smtp_peer import self_signed_context
 
-    dns = DnsServer().start()
-    (secure,) = peers_on_one_port(["127.0.0.5"], starttls=self_signed_context(tmp_path))
-    try:
-        dns.add("tls.test", "MX", "10 mx.tls.test")
-        dns.add("mx.tls.test", "A", "127.0.0.5")
-        daemon = start_daemon(
-            f'dns.nameservers=["{dns.address}"]', f"delivery.port={secure.port}", *FAST
-        )
+    with MailNet(["127.0.0.5"], starttls=self_signed_context(tmp_path)) as net:
+        (secure,) = net.peers
+        net.add_domain("tls.test", "127.0.0.5")
+        daemon = start_daemon(*net.daemon_overrides(), *FAST)
         daemon.send("app@sender.test", ["t@tls.test"], BODY)
         (received,) = wait_for(lambda: secure.messages)
         assert received.tls
-    finally:
-        secure.stop()
-        dns.stop()
 
 
 def test_failed_tls_handshake_falls_back_to_clear_text(start_daemon, tmp_path):
@@ -394,20 +354,13 @@ def test_failed_tls_handshake_falls_back_to_clear_text(start_daemon, tmp_path):
     picky.load_cert_chain(cert, key)
     picky.verify_mode = ssl.CERT_REQUIRED  # wants a client certificate: our handshake fails
     picky.load_verify_locations(cert)
-    dns = DnsServer().start()
-    (peer,) = peers_on_one_port(["127.0.0.6"], starttls=picky)
-    try:
-        dns.add("picky.test", "MX", "10 mx.picky.test")
-        dns.add("mx.picky.test", "A", "127.0.0.6")
-        daemon = start_daemon(
-            f'dns.nameservers=["{dns.address}"]', f"delivery.port={peer.port}", *FAST
-        )
+    with MailNet(["127.0.0.6"], starttls=picky) as net:
+        (peer,) = net.peers
+        net.add_domain("picky.test", "127.0.0.6")
+        daemon = start_daemon(*net.daemon_overrides(), *FAST)
         daemon.send("app@sender.test", ["p@picky.test"], BODY)
         (received,) = wait_for(lambda: peer.messages, what="delivery in clear text")
         assert not received.tls and peer.connections == 2
-    finally:
-        peer.stop()
-        dns.stop()
 
 
 def test_show_lists_the_attempt_history(world):

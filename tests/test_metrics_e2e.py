@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 
-from e2e_helpers import BODY, wait_for
+from e2e_helpers import BODY, FAST, MailNet, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -49,19 +49,10 @@ def test_queue_metrics_and_an_alert_that_starts_and_clears(start_daemon):
 
 
 def test_delivery_attempts_and_connect_latency_are_counted(start_daemon):
-    from dns_server import DnsServer
-    from e2e_helpers import FAST
-    from smtp_peer import peers_on_one_port
-
-    dns = DnsServer().start()
-    (peer,) = peers_on_one_port(["127.0.0.2"])
-    try:
-        dns.add("example.org", "MX", "10 mx.example.org")
-        dns.add("mx.example.org", "A", "127.0.0.2")
-        daemon = start_daemon(
-            f'dns.nameservers=["{dns.address}"]', f"delivery.port={peer.port}", *FAST,
-            "metrics.address=127.0.0.1:0",
-        )  # fmt: skip
+    with MailNet(["127.0.0.2"]) as net:
+        (peer,) = net.peers
+        net.add_domain("example.org", "127.0.0.2")
+        daemon = start_daemon(*net.daemon_overrides(), *FAST, "metrics.address=127.0.0.1:0")
         daemon.send("app@example.com", ["a@example.org"], BODY)
         wait_for(lambda: peer.messages, what="delivery")
         wait_for(lambda: not daemon.messages(), what="the queue to empty")
@@ -81,24 +72,15 @@ def test_delivery_attempts_and_connect_latency_are_counted(start_daemon):
             if name == "mtaqueue_delivery_latency_seconds_count" and ("class", "p1") in labels
         ]  # fmt: skip
         assert latency == [1]
-    finally:
-        peer.stop()
-        dns.stop()
 
 
 def test_deferral_rate_alert_driven_by_a_deferring_peer(start_daemon):
-    from dns_server import DnsServer
-    from e2e_helpers import FAST
-    from smtp_peer import peers_on_one_port
-
-    dns = DnsServer().start()
-    (peer,) = peers_on_one_port(["127.0.0.2"])
-    try:
-        dns.add("example.org", "MX", "10 mx.example.org")
-        dns.add("mx.example.org", "A", "127.0.0.2")
+    with MailNet(["127.0.0.2"]) as net:
+        (peer,) = net.peers
+        net.add_domain("example.org", "127.0.0.2")
         peer.on("rcpt", "451 4.3.0 mailbox busy")
         daemon = start_daemon(
-            f'dns.nameservers=["{dns.address}"]', f"delivery.port={peer.port}", *FAST,
+            *net.daemon_overrides(), *FAST,
             'retry.schedule=["60s"]', "alerts.interval=0.3s",
             'alerts.rules=[{type="deferral_rate", over=0.5, window="5m", min_attempts=3}]',
         )  # fmt: skip
@@ -114,6 +96,3 @@ def test_deferral_rate_alert_driven_by_a_deferring_peer(start_daemon):
         wait_for(lambda: not daemon.messages(), what="everything delivered")
         firing, cleared = wait_for(lambda: alerts()[1:] and alerts(), what="the clearing")
         assert cleared["state"] == "cleared"
-    finally:
-        peer.stop()
-        dns.stop()

@@ -6,10 +6,9 @@ log events out. The replies go through the real classify(), as in the delivery m
 
 from __future__ import annotations
 
-import random
-
 import msgspec
 import pytest
+from fake_random import HIGH, LOW
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -43,19 +42,6 @@ T0 = 1_700_000_000.0  # every message arrives then
 MX = "mx1.example.net"
 SENDER = "alice@example.org"
 
-
-class Edge(random.Random):
-    """A Random whose uniform() always returns one end of the range."""
-
-    def __init__(self, end: str) -> None:
-        super().__init__(0)
-        self.end = end
-
-    def uniform(self, a: float, b: float) -> float:
-        return a if self.end == "low" else b
-
-
-LOW, HIGH = Edge("low"), Edge("high")
 
 # No jitter, so due times are exact. The first step (1 min) is under the greylist window
 # (5 min), so a greylisted retry shows the floor.

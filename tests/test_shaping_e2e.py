@@ -6,29 +6,23 @@ import json
 import time
 
 import pytest
-from dns_server import DnsServer
-from e2e_helpers import BODY, FAST, events, wait_for
-from smtp_peer import Received, peers_on_one_port
+from e2e_helpers import BODY, FAST, MailNet, events, wait_for
+from smtp_peer import Received
 
 
-class Provider:
+class Provider(MailNet):
     """One provider (two domains on the same MX host) plus the senders' home MX."""
 
     def __init__(self, start_daemon) -> None:
-        self.dns = DnsServer().start()
-        self.mx, self.home = peers_on_one_port(["127.0.0.2", "127.0.0.9"])
+        super().__init__(["127.0.0.2", "127.0.0.9"])
+        self.mx, self.home = self.peers
         for domain in ("example.org", "example.net"):
-            self.dns.add(domain, "MX", "10 mx.provider.test")
-        self.dns.add("mx.provider.test", "A", "127.0.0.2")
-        self.dns.add("sender.test", "MX", "10 mx.sender.test")
-        self.dns.add("mx.sender.test", "A", "127.0.0.9")
+            self.add_domain(domain, "127.0.0.2", host="mx.provider.test")
+        self.add_domain("sender.test", "127.0.0.9")
         self._start = start_daemon
 
     def daemon(self, *overrides: str):
-        return self._start(
-            f'dns.nameservers=["{self.dns.address}"]', f"delivery.port={self.mx.port}", *FAST,
-            *overrides,
-        )  # fmt: skip
+        return self._start(*self.daemon_overrides(), *FAST, *overrides)
 
     def drain(self, daemon) -> list[Received]:
         """Restart a daemon that was only queueing (delivery.enabled=false) delivering; when
@@ -37,17 +31,11 @@ class Provider:
         wait_for(lambda: not daemon.messages(), timeout=30, what="the backlog to drain")
         return list(self.mx.messages)
 
-    def close(self) -> None:
-        self.mx.stop()
-        self.home.stop()
-        self.dns.stop()
-
 
 @pytest.fixture
 def provider(start_daemon):
-    p = Provider(start_daemon)
-    yield p
-    p.close()
+    with Provider(start_daemon) as p:
+        yield p
 
 
 def send_class(daemon, klass: str, rcpt: str) -> str:
