@@ -15,19 +15,16 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import shutil
 import smtplib
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import load_parser, stop_process, work_directory
 from postfix_instance import PostfixInstance, postfix_available, smtp_source
 
 from mtaqueue.ids import IdGenerator
@@ -87,9 +84,7 @@ class Mtaqueue:
         return json.loads(out)["messages"]
 
     def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(60)
+        stop_process(self.proc, 60)
 
 
 def throughput(args, workdir: Path) -> None:
@@ -179,22 +174,14 @@ def startup_and_memory(args, workdir: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--messages", type=int, default=10000)
-    parser.add_argument("--sessions", type=int, default=20)
-    parser.add_argument("--size", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = load_parser(__doc__)
     parser.add_argument("--queued", type=int, default=100_000)
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="mtaqueue-bench-", dir=os.environ.get("BENCH_DIR")))
-    workdir.chmod(0o755)  # Postfix's own user must reach its queue inside
-    try:
+    with work_directory("mtaqueue-bench-") as workdir:
         if not args.skip_throughput:
             throughput(args, workdir)
         startup_and_memory(args, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

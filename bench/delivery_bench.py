@@ -10,17 +10,14 @@ mtaqueue (delivery.relayhost = the sink) alternate, so both meet the same machin
 
 from __future__ import annotations
 
-import argparse
-import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accept_bench import Mtaqueue, print_medians
+from common import load_parser, work_directory
 from postfix_instance import PostfixInstance, SmtpSink, postfix_available, smtp_source
 
 SINK = "127.0.0.1:2700"
@@ -69,25 +66,15 @@ def postfix_round(args, workdir: Path, sink: SmtpSink) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--messages", type=int, default=10000)
-    parser.add_argument("--sessions", type=int, default=20)
-    parser.add_argument("--size", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="mtaqueue-bench-", dir=os.environ.get("BENCH_DIR")))
-    workdir.chmod(0o755)  # Postfix's own user must reach its queue inside
+    args = load_parser(__doc__).parse_args()
     mq_rates, pf_rates = [], []
-    try:
-        with SmtpSink(SINK) as sink:
-            for round_ in range(args.rounds):
-                if postfix_available():
-                    pf_rates.append(postfix_round(args, workdir / f"postfix{round_}", sink))
-                    print(f"round {round_}: postfix  {pf_rates[-1]:7.0f} msgs/s", flush=True)
-                mq_rates.append(mtaqueue_round(args, workdir / f"mq{round_}", sink))
-                print(f"round {round_}: mtaqueue {mq_rates[-1]:7.0f} msgs/s", flush=True)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with work_directory("mtaqueue-bench-") as workdir, SmtpSink(SINK) as sink:
+        for round_ in range(args.rounds):
+            if postfix_available():
+                pf_rates.append(postfix_round(args, workdir / f"postfix{round_}", sink))
+                print(f"round {round_}: postfix  {pf_rates[-1]:7.0f} msgs/s", flush=True)
+            mq_rates.append(mtaqueue_round(args, workdir / f"mq{round_}", sink))
+            print(f"round {round_}: mtaqueue {mq_rates[-1]:7.0f} msgs/s", flush=True)
     print_medians(mq_rates, pf_rates, "msgs/s end to end")
 
 

@@ -57,6 +57,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Self
 
+from common import stop_process
+
 POSTFIX = "/usr/sbin/postfix"
 POSTCONF = "/usr/sbin/postconf"
 POSTQUEUE = "/usr/sbin/postqueue"
@@ -588,14 +590,8 @@ class SmtpSink:
         return int(found[-1]) if found else 0
 
     def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            self._proc = None
+        stop_process(self._proc, 5)
+        self._proc = None
         if self._out is not None:
             self._out.unlink(missing_ok=True)
             self._out = None

@@ -66,13 +66,10 @@ import json
 import math
 import os
 import re
-import shutil
-import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -84,6 +81,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "tests"))  # dns_server.DnsServer: a real DNS server on loopback
 
+from common import stop_process, work_directory  # noqa: E402
 from postfix_instance import PostfixInstance, postfix_available  # noqa: E402
 from synthetic_peer import SyntheticPeer  # noqa: E402
 
@@ -288,13 +286,7 @@ class PeerProcess:
         raise RuntimeError("synthetic_peer did not start")
 
     def stop(self) -> dict[str, Any]:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 60)
         self.proc = None
         return json.loads(self.report_path.read_text())
 
@@ -356,13 +348,7 @@ class Daemon:
             return list(protocol.request(sock, cmd, args or {}))
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 90)
         self.proc = None
 
 
@@ -688,8 +674,11 @@ def run_postfix(s: Scenario, workdir: Path, timeout: float, tag: str, concurrenc
 
 
 def read_daemon_log(path: Path) -> dict[str, Any]:
-    """Counts from mtaqueue's JSON log: attempts by outcome/kind/reply, other events."""
+    """Counts from mtaqueue's JSON log: attempts at the provider by outcome/kind/reply, the
+    attempts to deliver the DSNs (to the sender at app.test, the DSN sink) apart, and other
+    events."""
     attempts: Counter = Counter()
+    dsn_attempts: Counter = Counter()
     events: Counter = Counter()
     permanent: set[str] = set()
     if not path.exists():
@@ -703,13 +692,18 @@ def read_daemon_log(path: Path) -> dict[str, Any]:
         events[name] += 1
         if name == "delivery":
             code = f"{e.get('code')} {e.get('enhanced') or ''}".strip()
-            attempts[(e.get("outcome"), e.get("kind"), e.get("phase"), code)] += 1
-            if e.get("outcome") == "permanent" and not e.get("rcpt", "").endswith("@app.test"):
+            key = (e.get("outcome"), e.get("kind"), e.get("phase"), code)
+            if e.get("rcpt", "").endswith("@app.test"):
+                dsn_attempts[key] += 1  # a bounce on its way to the sender, not the backlog
+                continue
+            attempts[key] += 1
+            if e.get("outcome") == "permanent":
                 permanent.add(e["id"])
         elif name == "expired":
             permanent.add(e.get("id"))
     return {
         "attempts": [[*k, n] for k, n in attempts.most_common()],
+        "dsn_attempts": [[*k, n] for k, n in dsn_attempts.most_common()],
         "events": dict(events.most_common()),
         "permanent_messages": len(permanent),
     }
@@ -1102,11 +1096,9 @@ def main() -> int:
     print(describe(s), flush=True)
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
-    workdir = Path(tempfile.mkdtemp(prefix="recovery-storm-", dir=os.environ.get("BENCH_DIR")))
-    workdir.chmod(0o755)
     tag = time.strftime("%H%M%S")
     runs: list[Run] = []
-    try:
+    with work_directory("recovery-storm-", keep=args.keep) as workdir:
         if not args.skip_mtaqueue:
             runs.append(run_mtaqueue(s, workdir, False, timeout, tag + "m", args.mq_option))
             print_run(runs[-1], s)
@@ -1122,11 +1114,6 @@ def main() -> int:
                 print_run(runs[-1], s)
             else:
                 print("postfix: not available (needs root and Debian's postfix); skipped")
-    finally:
-        if args.keep:
-            print(f"work directory kept: {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
     if not runs:
         return 0
     print()
@@ -1233,6 +1220,8 @@ def print_run(run: Run, s: Scenario) -> None:
     log = run.extra.get("log") or {}
     for row in (log.get("attempts") or [])[:8]:
         print(f"  attempts {row}")
+    for row in (log.get("dsn_attempts") or [])[:3]:
+        print(f"  DSN attempts (to the sink) {row}")
     for row in (log.get("reasons") or [])[:6]:
         print(f"  postfix {row}")
     if log.get("statuses"):

@@ -1,0 +1,54 @@
+"""Helpers the benchmark programs share: a work directory, the load options, stopping a child.
+
+The programs import it from this directory (`sys.path` holds bench/ when one of them runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def work_directory(prefix: str, keep: bool = False) -> Iterator[Path]:
+    """A new directory under $BENCH_DIR (default: the system's temp directory), removed on
+    leaving the block unless `keep` (then its path is printed). It is made 0755 (mkdtemp()
+    makes 0700): Postfix's own user must reach a queue inside it."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("BENCH_DIR")))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"work directory kept: {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser described by the first line of `doc`, with the options of the throughput
+    benchmarks: smtp-source's load (-m, -s, -l) and how many alternating rounds to run."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--messages", type=int, default=10000)
+    parser.add_argument("--sessions", type=int, default=20)
+    parser.add_argument("--size", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=3)
+    return parser
+
+
+def stop_process(proc: subprocess.Popen | None, timeout: float) -> None:
+    """Stop a child: SIGTERM if it still runs, wait up to `timeout` s, then SIGKILL it."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
