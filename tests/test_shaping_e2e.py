@@ -140,6 +140,7 @@ def test_breaker_opens_then_probes_and_recovers(provider):
     daemon = provider.daemon(
         "shaping.breaker_failures=2",
         "shaping.breaker_cooldown=3s",
+        "shaping.release_spread=2s",
         "delivery.host_suspend=1s",
         'retry.schedule=["1s"]',
         'retry.then=["1s", "1s"]',
@@ -157,6 +158,12 @@ def test_breaker_opens_then_probes_and_recovers(provider):
     wait_for(lambda: not daemon.messages(), timeout=30, what="recovery after the probe")
     (dest,) = ctl_json(daemon, "domains") or [{"circuit": "closed"}]
     assert dest["circuit"] == "closed"
+    # The probe delivered one; the three that waited were let go over release_spread (one
+    # in each third of it), not as a herd the moment the circuit closed.
+    changes = [(e["circuit"], e["released"]) for e in events(daemon, "destination_changed")]
+    assert changes == [("open", 0), ("closed", 3)]
+    times = sorted(m.time for m in provider.mx.messages)
+    assert len(times) == 4 and times[-1] - times[0] >= 2 * 2 / 3 - 0.1
 
 
 def test_throttling_puts_the_destination_in_backoff(provider):

@@ -27,6 +27,7 @@ from ..dsn import build_dsn, is_8bit
 from ..logs import get_logger
 from ..model import DEFERRED, QUEUED, Message, Recipient
 from ..policy.backoff import RetryPolicy, restart_due
+from ..policy.breaker import CLOSED, HALF_OPEN
 from ..policy.buckets import TokenBucket
 from ..policy.classify import compile_rules
 from ..policy.fairness import FairQueue
@@ -41,7 +42,7 @@ from ..policy.settle import (
     flushed,
     settle,
 )
-from ..policy.shaper import DestinationShaper, pacing_for
+from ..policy.shaper import DestinationShaper, ShaperState, pacing_for
 from ..routing.nexthop import NextHop, next_hop
 from ..routing.resolver import Resolver, Route, RouteFailure
 from ..smtp.addresses import domain_of
@@ -49,7 +50,7 @@ from ..smtp.client import ClientSettings, SmtpConnection
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool
 from .destination import Destination, WorkItem, destination_key
-from .sender import Sender
+from .sender import Outcome, Sender
 
 log = get_logger("delivery")
 
@@ -453,41 +454,80 @@ class DeliveryManager:
             self._unbusy(item.message_id, item.indexes)
             self.spool.remove(item.message_id, f"unreadable: {exc}")
             return conn
-        shaper = destination.shaper
         per_connection = destination.pacing.messages_per_connection
         outcome = await self.sender.send(
             message, item.indexes, item.route, content, conn, per_connection
         )
         now = time.time()
+        self._feedback(destination, outcome, now)
+        if outcome.wait_until is not None:
+            # Every host is suspended: an internal wait, not an attempt. Nothing is charged.
+            self._unbusy(item.message_id, item.indexes)
+            self._schedule(item.message_id, outcome.wait_until)
+            return outcome.conn
+        self._finish(
+            item.message_id,
+            item.indexes,
+            outcome.results,
+            retry_factor=destination.shaper.retry_factor(now),
+            destination=destination.key,
+        )
+        return outcome.conn
+
+    def _feedback(self, destination: Destination, outcome: Outcome, now: float) -> None:
+        """Tell the destination's shaper what an attempt showed, and act on what changed."""
+        shaper = destination.shaper
+        before, limit = shaper.state(now), shaper.concurrency.limit
         for _ in range(outcome.connect_failures):
             shaper.connect_failed(now)
         if outcome.latency is not None:
             shaper.latency(now, outcome.latency)
             if self.on_connect is not None:
                 self.on_connect(destination.key, outcome.latency)
-        if outcome.wait_until is not None:
-            # Every host is suspended: an internal wait, not an attempt. Nothing is charged.
-            self._unbusy(item.message_id, item.indexes)
-            self._schedule(item.message_id, outcome.wait_until)
-            return outcome.conn
-        # One signal per reply, not per recipient: a 421 after DATA for 50 recipients is
-        # one throttle signal, not fifty.
-        limit = shaper.concurrency.limit
-        for result in {id(r.reply): r for r in outcome.results}.values():
-            shaper.result(now, result.reply, result.verdict)
-            destination.record(now, result.reply)
+        if outcome.wait_until is None:
+            # One signal per reply, not per recipient: a 421 after DATA for 50 recipients
+            # is one throttle signal, not fifty.
+            for result in {id(r.reply): r for r in outcome.results}.values():
+                shaper.result(now, result.reply, result.verdict)
+                destination.record(now, result.reply)
+        after = shaper.state(now)
+        if after != before:
+            self._changed(destination, before, after, now)
         if shaper.concurrency.limit < limit:
             destination.arrived.set()  # idle connections over the new limit close
         elif shaper.concurrency.limit > limit:
             self._pump(destination)  # room for one more connection to the backlog
-        self._finish(
-            item.message_id,
-            item.indexes,
-            outcome.results,
-            retry_factor=shaper.retry_factor(now),
+
+    def _changed(
+        self, destination: Destination, before: ShaperState, after: ShaperState, now: float
+    ) -> None:
+        """Log a change of circuit or backoff mode (a time-based end is seen at the next
+        attempt); when a probe closed the circuit, let the waiting mail go."""
+        released = 0
+        if before.circuit == HALF_OPEN and after.circuit == CLOSED:
+            released = self._release(destination, now)
+        calm = after.circuit == CLOSED and after.mode == "normal"
+        (log.info if calm else log.warning)(
+            "destination_changed",
             destination=destination.key,
+            circuit=after.circuit,
+            mode=after.mode,
+            stage=after.stage,
+            limit=destination.shaper.concurrency.limit,
+            reply=destination.last_replies[-1] if destination.last_replies else None,
+            released=released,
         )
-        return outcome.conn
+
+    def _release(self, destination: Destination, now: float) -> int:
+        """The probe went through and the circuit closed: the mail that waited while it was
+        open is let go spread over shaping.release_spread, most urgent first (the queue
+        gives it in class order), not as a herd. Not an attempt: due times stay."""
+        items = destination.queue.remove(lambda item: True)
+        starts = destination.shaper.released(now, len(items), self.rng)
+        for item, start in zip(items, starts, strict=True):
+            self._unbusy(item.message_id, item.indexes)
+            self._schedule(item.message_id, start)
+        return len(items)
 
     # -- after an attempt -----------------------------------------------------------------
 

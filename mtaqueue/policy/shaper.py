@@ -55,6 +55,15 @@ _MAIL = PHASES.index("mail")
 
 
 @dataclass(frozen=True, slots=True)
+class ShaperState:
+    """What an operator is told about when it changes."""
+
+    circuit: str  # closed, open, half-open
+    mode: str  # normal, backoff
+    stage: int  # of backoff mode; 0 in normal mode
+
+
+@dataclass(frozen=True, slots=True)
 class _Override:
     rate_per_minute: float | None  # None: the configured rate; 0: no limit
     concurrency: int | None  # None: the configured max_connections
@@ -185,6 +194,10 @@ class DestinationShaper:
         else:
             self.backoff.clear()
         self._apply(now)
+
+    def state(self, now: float) -> ShaperState:
+        self._apply(now)
+        return ShaperState(self.breaker.state(now), self.backoff.mode(now), self.backoff.stage(now))
 
     def snapshot(self, now: float) -> dict:
         """The state for `mtaqueue-ctl domains`, JSON-ready."""
