@@ -9,8 +9,9 @@ and then they all go out at once to one big provider. Time is compressed (`--tim
 against a fresh synthetic provider (`bench/synthetic_peer.py` as a subprocess, answering on
 127.0.0.2 and 127.0.0.3, the two MX hosts of `provider.test`):
 
-1. `mtaqueue` as an admin would run it: pacing for the provider set a bit under its
-   published limit (`[[shaping.destinations]] mx_suffix = ".provider.test"`), every
+1. `mtaqueue` as an admin would run it: pacing for the provider (rate and burst) set a
+   bit under its published limit (`[[shaping.destinations]] mx_suffix = ".provider.test"`),
+   every
    retry/shaping/lifetime duration of the shipped defaults scaled by `--time-scale`.
 2. `naive`: the same daemon with shaping neutralised by config (100 connections from the
    start, no rates, breaker and backoff mode off, retries after 10 ms, no restart spread):
@@ -112,7 +113,7 @@ class Scenario:
     blocklist_for: float
     blocklist_window: float
     outage: float  # unscaled seconds
-    admin_fraction: float  # mtaqueue's messages_per_minute / the provider's rate
+    admin_fraction: float  # mtaqueue's messages_per_minute and burst / the provider's
     admin_connections: int
     sessions: int
     size: int
@@ -128,6 +129,10 @@ class Scenario:
     @property
     def burst(self) -> int:
         return self.rate_count  # synthetic_peer's default burst
+
+    @property
+    def admin_burst(self) -> int:  # mtaqueue's bucket size for the provider
+        return max(1, int(self.admin_fraction * self.burst))
 
     @property
     def t_min(self) -> float:
@@ -428,8 +433,10 @@ def mtaqueue_config(
                 {
                     "mx_suffix": ".provider.test",
                     # The provider publishes rate_count per rate_period; the admin sets a bit
-                    # under it (per real minute, since the run is time-compressed).
+                    # under it (per real minute, since the run is time-compressed), and the
+                    # same fraction of the burst it allows (a window's worth of messages).
                     "messages_per_minute": round(s.admin_fraction * s.r * 60, 1),
+                    "burst": s.admin_burst,
                     "max_connections": s.admin_connections,
                 }
             ],
@@ -1024,8 +1031,8 @@ def describe(s: Scenario) -> str:
         f"(= {s.blocklist_window * s.scale:g} s) of a 421, for {s.blocklist_for:g} s "
         f"(= {s.blocklist_for * s.scale:g} s); outage {s.outage:g} s "
         f"(= {s.outage * s.scale:g} s); mtaqueue pacing "
-        f"{s.admin_fraction * s.r * 60:g}/min ({s.admin_fraction:.0%} of the provider's rate),"
-        f" {s.admin_connections} connections; T_min = {s.t_min:.1f} s"
+        f"{s.admin_fraction * s.r * 60:g}/min, burst {s.admin_burst} ({s.admin_fraction:.0%} "
+        f"of the provider's), {s.admin_connections} connections; T_min = {s.t_min:.1f} s"
     )
 
 
