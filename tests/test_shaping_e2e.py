@@ -255,6 +255,18 @@ def test_tenants_take_turns_within_a_class(provider):
     assert all(b"X-Tenant" not in m.content for m in received)  # removed
 
 
+def test_hold_and_release_by_tenant(provider):
+    daemon = provider.daemon("delivery.enabled=false", "submission.tenant_header=X-Tenant")
+    noisy = [send_as(daemon, "noisy", f"n{i}@example.org") for i in range(2)]
+    quiet = send_as(daemon, "quiet", "q@example.org")
+    assert ctl_json(daemon, "hold", "--tenant", "noisy") == [{"held": 2}]
+    queue = daemon.messages()
+    assert [queue[i]["held"] for i in (*noisy, quiet)] == [True, True, False]
+    assert ctl_json(daemon, "release", "--tenant", "quiet") == [{"released": 0}]
+    assert ctl_json(daemon, "release", "--tenant", "noisy") == [{"released": 2}]
+    assert not any(m["held"] for m in daemon.messages().values())
+
+
 def test_tenant_rate_caps_one_tenant_not_the_others(provider):
     daemon = provider.daemon(
         "delivery.enabled=false",
