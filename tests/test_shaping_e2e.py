@@ -224,7 +224,9 @@ def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
     restart_with_delivery(daemon)
     mx = provider.mx
     mx.wait_for(lambda: len(mx.messages) >= 45, timeout=30)  # the p0 wave and some bulk
-    assert {m.rcpt_tos[0] for m in mx.messages[:30]} == {f"reset{i}@example.org" for i in range(30)}
+    # p0 first (a bulk message or two may overtake the last p0 ones in flight elsewhere).
+    order = [m.rcpt_tos[0] for m in mx.messages]
+    assert max(order.index(f"reset{i}@example.org") for i in range(30)) < 33
     assert mx.max_active == 4  # the limit grew to 4 during the wave
     assert ctl_json(daemon, "limit", "--domain", "example.org", "--concurrency", "2")
     mx.wait_for(lambda: mx.active <= 2, timeout=5)  # the two over the limit closed
