@@ -2,6 +2,12 @@ from __future__ import annotations
 
 import pytest
 from daemon_process import DaemonProcess
+from hypothesis import settings
+
+# Properties check behaviour, not speed: hypothesis' per-example deadline (200 ms) would
+# turn a loaded CI machine into failures. Speed belongs in bench/.
+settings.register_profile("mtaqueue", deadline=None)
+settings.load_profile("mtaqueue")
 
 
 @pytest.fixture
