@@ -526,3 +526,16 @@ class Shaper(RuleBasedStateMachine):
 
 
 TestShaper = Shaper.TestCase
+
+
+def test_at_rest_only_with_nothing_to_remember():
+    shaper = shaper_at()
+    assert shaper.at_rest(0.0)
+    shaper.override(0.0, rate_per_minute=6, concurrency=None, until=10.0)
+    assert not shaper.at_rest(5.0) and shaper.at_rest(10.0)  # until the override ends
+    report(shaper, 20.0, THROTTLED)
+    assert not shaper.at_rest(20.0)  # backoff mode
+    shaper.force_backoff(21.0, 21.0)  # back to normal
+    for _ in range(5):
+        shaper.connect_failed(22.0)
+    assert not shaper.at_rest(22.0)  # the circuit is open

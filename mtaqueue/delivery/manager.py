@@ -348,7 +348,12 @@ class DeliveryManager:
                     time.time(), destination.active, destination.reserved, first_class
                 ):
                     break
-                wait = self._send_wait(destination) if len(destination.queue) else 0.0
+                waiting = (
+                    destination.queue.first_class_waiting()
+                    if first_class
+                    else len(destination.queue)
+                )
+                wait = self._send_wait(destination) if waiting else 0.0
                 if wait > 0:
                     # Choose the item when it can go, not before: mail that arrives
                     # meanwhile (p0) is taken first, and a lowered limit applies.
@@ -428,14 +433,8 @@ class DeliveryManager:
 
     def _retire(self, destination: Destination) -> None:
         """Forget a destination with nothing to do and nothing to remember."""
-        snapshot = destination.shaper.snapshot(time.time())
-        if (
-            not destination.active
-            and not len(destination.queue)
-            and snapshot.get("mode") == "normal"
-            and snapshot.get("circuit") == "closed"
-            and not snapshot.get("override")
-        ):
+        idle = not destination.active and not len(destination.queue)
+        if idle and destination.shaper.at_rest(time.time()):
             self.destinations.pop(destination.key, None)
 
     # -- one attempt --------------------------------------------------------------------

@@ -44,7 +44,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .. import config
-from .breaker import HALF_OPEN, CircuitBreaker
+from .breaker import CLOSED, HALF_OPEN, CircuitBreaker
 from .buckets import TokenBucket
 from .classify import DELIVERED, PERMANENT, RECIPIENT, THROTTLING, Verdict
 from .concurrency import AdaptiveConcurrency
@@ -198,6 +198,12 @@ class DestinationShaper:
     def state(self, now: float) -> ShaperState:
         self._apply(now)
         return ShaperState(self.breaker.state(now), self.backoff.mode(now), self.backoff.stage(now))
+
+    def at_rest(self, now: float) -> bool:
+        """Nothing to remember: normal mode, a closed circuit, no operator's limit. (The
+        adaptive concurrency and the buckets start afresh harmlessly.)"""
+        state = self.state(now)
+        return state.mode == "normal" and state.circuit == CLOSED and self._override is None
 
     def snapshot(self, now: float) -> dict:
         """The state for `mtaqueue-ctl domains`, JSON-ready."""
