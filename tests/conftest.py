@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from daemon_process import DaemonProcess
 from hypothesis import settings
@@ -8,6 +11,13 @@ from hypothesis import settings
 # turn a loaded CI machine into failures. Speed belongs in bench/.
 settings.register_profile("mtaqueue", deadline=None)
 settings.load_profile("mtaqueue")
+
+# Every subprocess a test starts (`python -m mtaqueue.daemon`, the writer, the ctl) imports
+# this tree, never an installed copy: after `pip install .` the tests still test the work tree.
+TREE = str(Path(__file__).resolve().parent.parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [TREE, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+)
 
 
 @pytest.fixture
