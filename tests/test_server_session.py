@@ -535,6 +535,23 @@ def test_envid_invalid_xtext():
     assert mail(ready(), b"<a@b.example> ENVID=a+2b")[0].startswith("501 5.5.4")
 
 
+@pytest.mark.parametrize("value", [b"+FF", b"a+C3", b"+ED+A0+80", b"+C0+AF"])
+def test_envid_that_is_not_utf8_is_refused(value):
+    # Kept as lone surrogates, it once made a record the spool could not encode.
+    session = ready()
+    replies = mail(session, b"<a@sender.test> ENVID=" + value)
+    assert replies == ["501 5.5.4 Error: ENVID is not valid xtext: xtext does not decode to UTF-8"]
+    assert session.envelope is None
+    assert mail(session, b"<a@sender.test> ENVID=+C3+A9") == ["250 2.1.0 Ok"]  # UTF-8 "é"
+    assert session.envelope.envid == "é"
+
+
+@pytest.mark.parametrize("value", ["²", "1²", "\u0661\u0660"])  # the last: Arabic-Indic 10
+def test_size_must_be_ascii_digits(value):
+    # str.isdigit() says yes to "²", which int() refuses: that was an internal error.
+    assert mail(ready(), b"<a@b.example> SIZE=" + value.encode())[0].startswith("501 5.5.4")
+
+
 def test_auth_param_is_ignored():
     assert mail(ready(), b"<a@b.example> AUTH=<>") == ["250 2.1.0 Ok"]
 
@@ -593,6 +610,26 @@ def test_orcpt_is_xtext_decoded():
 @pytest.mark.parametrize("value", [b"rfc822;a+2bb@x", b"rfc822;a=b@x", b"rfc822", b";a@x"])
 def test_orcpt_invalid(value):
     assert rcpt(b"<c@d.example> ORCPT=" + value)[0].startswith("501 5.5.4")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"rfc822;x+F9+EF",  # not UTF-8 once decoded
+        b"x;;.+F9+EF",  # what the fuzzer found
+        b"\xff;a@x.example",  # the addr-type must be an atom, not any bytes
+        "rfc822\u00e9;a@x.example".encode(),
+    ],
+)
+def test_orcpt_that_is_not_an_atom_and_utf8_is_refused(value):
+    session = ready()
+    send(session, b"MAIL FROM:<a@sender.test>\r\n")
+    _, replies = send(session, b"RCPT TO:<b@x.test> ORCPT=" + value + b"\r\n")
+    assert len(replies) == 1 and replies[0].startswith("501 5.5.4"), replies
+    assert session.envelope is not None and session.envelope.recipients == []
+    _, replies = send(session, b"RCPT TO:<b@x.test> ORCPT=utf-8;b+40x.test\r\n")
+    assert replies == ["250 2.1.5 Ok"]
+    assert session.envelope.recipients[0].orcpt == "utf-8;b@x.test"
 
 
 def test_unknown_rcpt_param():
@@ -1126,6 +1163,9 @@ def test_auth_login_cancelled_at_password():
         b"AUTH LOGIN\r\n" + b64("carol") + b"\r\nnot base64!\r\n",
         b"AUTH PLAIN " + b64("only-two\0parts") + b"\r\n",
         b"AUTH PLAIN " + b64("\0\0pw") + b"\r\n",  # empty user
+        "AUTH PLAIN é\r\n".encode(),  # not ASCII: base64 raised ValueError
+        b"AUTH PLAIN \xff\r\n",
+        b"AUTH LOGIN\r\n\xc3\xa9\r\n",
     ],
 )
 def test_auth_bad_data(exchange):

@@ -14,13 +14,12 @@ anyway. aiosmtpd still serves as the test and benchmark peers.
 from __future__ import annotations
 
 import base64
-import binascii
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..model import Recipient
-from .addresses import AddressError, check_mailbox, split_path, xtext_decode
+from .addresses import ATOM, AddressError, check_mailbox, split_path, xtext_decode
 
 MAX_COMMAND_LINE = 2048  # RFC 5321 allows 512, plus room for DSN parameters
 MAX_ERRORS = 20  # replies with an error before we hang up on a confused client
@@ -328,7 +327,7 @@ class ServerSession:
             raise _ParamError("555 5.5.4 Error: parameters need EHLO")
         for key, value in _params(params):
             if key == "SIZE":
-                if not value.isdigit():
+                if not (value.isascii() and value.isdigit()):  # not "²", which int() refuses
                     raise _ParamError("501 5.5.4 Error: bad SIZE value")
                 if int(value) > self.settings.max_message_size:
                     raise _ParamError("552 5.3.4 Error: message size exceeds fixed limit")
@@ -350,8 +349,8 @@ class ServerSession:
                     raise _ParamError("501 5.5.4 Error: ENVID needs a value")
                 try:
                     envid = xtext_decode(value)
-                except AddressError:
-                    raise _ParamError("501 5.5.4 Error: ENVID is not valid xtext") from None
+                except AddressError as exc:
+                    raise _ParamError(f"501 5.5.4 Error: ENVID is not valid xtext: {exc}") from None
                 if len(envid) > 100:
                     raise _ParamError("501 5.5.4 Error: ENVID longer than 100 characters")
                 envelope.envid = envid  # RFC 3461 4.4: kept exactly, case included
@@ -406,12 +405,12 @@ class ServerSession:
                 notify = ",".join(words)
             elif key == "ORCPT":
                 addr_type, semi, xtext = value.partition(";")
-                if not semi or not addr_type or not xtext:
+                if not semi or not ATOM.match(addr_type) or not xtext:
                     raise _ParamError("501 5.5.4 Error: ORCPT must be addr-type;address")
                 try:
                     orcpt = f"{addr_type};{xtext_decode(xtext)}"
-                except AddressError:
-                    raise _ParamError("501 5.5.4 Error: ORCPT is not valid xtext") from None
+                except AddressError as exc:
+                    raise _ParamError(f"501 5.5.4 Error: ORCPT is not valid xtext: {exc}") from None
                 if len(value) > 500:
                     raise _ParamError("501 5.5.4 Error: ORCPT longer than 500 characters")
             else:
@@ -569,7 +568,7 @@ def _params(text: str):
 def _b64(text: str) -> str | None:
     try:
         return base64.b64decode(text.strip(), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
+    except ValueError:  # not base64 (binascii.Error), not ASCII, or not UTF-8
         return None
 
 
