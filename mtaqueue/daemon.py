@@ -316,14 +316,21 @@ class Daemon:
 
 def listener_settings(cfg: config.Config, hostname: str) -> ListenerSettings:
     host, port = config.split_host_port(cfg.listen.address, min_port=0)
+    exceptions = [
+        n
+        for entry in cfg.listen.client_limit_exceptions
+        for n in (cfg.listen.mynetworks if entry == "mynetworks" else [entry])
+    ]
     return ListenerSettings(
         host=host,
         port=port,
         mynetworks=tuple(ipaddress.ip_network(n, strict=False) for n in cfg.listen.mynetworks),
         max_connections=cfg.listen.max_connections,
         max_connections_per_client=cfg.listen.max_connections_per_client,
+        client_limit_exceptions=tuple(ipaddress.ip_network(n, strict=False) for n in exceptions),
         command_timeout=cfg.listen.command_timeout,
         data_timeout=cfg.listen.data_timeout,
+        min_data_rate=cfg.listen.min_data_rate,
         session=SessionSettings(
             hostname=hostname,
             max_message_size=cfg.listen.max_message_size,

@@ -99,6 +99,9 @@ class ServerSession:
         self.esmtp = False
         self.envelope: Envelope | None = None
         self.closed = False
+        # Command lines and messages read so far: the listener's deadline restarts when
+        # this moves, so a client must finish each one in time, not merely send a byte.
+        self.completed = 0
         self._state = _COMMAND
         self._buf = bytearray()
         self._out: list[str] = []
@@ -181,10 +184,12 @@ class ServerSession:
             if self._state == _DATA:
                 if not self._take_data():
                     return None
+                self.completed += 1
                 continue
             line = self._take_line()
             if line is None:
                 return None
+            self.completed += 1
             if line is _OVERLONG:
                 self._error("500 5.5.2 Error: command line too long")
             elif self._state == _COMMAND:
