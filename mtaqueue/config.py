@@ -151,6 +151,7 @@ class ListenConfig(_Table):
     data_timeout: Duration = _d("10m")  # DATA deadline, extended by what min_data_rate earns
     min_data_rate: Annotated[int, msgspec.Meta(ge=1)] = 500  # bytes/s, as Postfix's
     bare_newline: Literal["normalize", "reject"] = "normalize"
+    max_line_length: Size = _s("1MiB")  # longest line of message data (RFC 5322 says 998)
     tls_cert: str = ""
     tls_key: str = ""
     auth_file: str = ""  # "user:hash" lines; "" = AUTH not offered
@@ -511,6 +512,8 @@ def _validate(cfg: Config) -> None:
     if bool(listen.tls_cert) != bool(listen.tls_key):
         missing, given = ("tls_key", "tls_cert") if listen.tls_cert else ("tls_cert", "tls_key")
         raise ConfigError(f"listen.{missing}: required when listen.{given} is set")
+    if listen.max_line_length < 998:
+        raise ConfigError("listen.max_line_length: must be at least 998 (RFC 5322 2.1.1)")
     if listen.auth_required and not listen.auth_file:
         raise ConfigError("listen.auth_required: needs listen.auth_file")
     positive = {

@@ -13,6 +13,7 @@ from mtaqueue.smtp.addresses import (
     check_domain,
     check_mailbox,
     domain_of,
+    qualified_hostname,
     split_path,
     xtext_decode,
     xtext_encode,
@@ -254,3 +255,21 @@ def test_xtext_decode_then_encode_is_canonical(parts):
     decoded = xtext_decode(encoded)
     decoded.encode("utf-8")
     assert xtext_decode(xtext_encode(decoded)) == decoded
+
+
+@pytest.mark.parametrize(
+    ("name", "qualified"),
+    [
+        ("mx.example.com", True),
+        ("mx.test", True),
+        ("MX.Example.COM.", True),
+        ("localhost", False),
+        ("LOCALHOST", False),
+        ("localhost.localdomain", False),
+        ("mailhost", False),  # what getfqdn() gives when the host has no domain
+        ("box.localdomain", False),
+        ("localhost.", False),
+    ],
+)
+def test_qualified_hostname(name, qualified):
+    assert qualified_hostname(name) is qualified

@@ -265,6 +265,10 @@ def test_file_errors_name_the_key(tmp_path: Path, text: str, message: str) -> No
         ("listen.tls_cert=cert.pem", "listen.tls_key: required when listen.tls_cert is set"),
         ("listen.auth_required=true", "listen.auth_required: needs listen.auth_file"),
         ("listen.command_timeout=0", "listen.command_timeout: must be more than 0s"),
+        (
+            "listen.max_line_length=500",
+            "listen.max_line_length: must be at least 998 (RFC 5322 2.1.1)",
+        ),
         ("spool.path=", "spool.path: must not be empty"),
         ("override", "override 'override': expected SECTION.KEY=VALUE"),
         ("listen=1", "override 'listen=1': expected SECTION.KEY=VALUE"),

@@ -111,6 +111,13 @@ def _check_address_literal(domain: str) -> None:
         raise AddressError(f"invalid address literal {domain!r}") from None
 
 
+def qualified_hostname(name: str) -> bool:
+    """Can other hosts know us by `name`? Not "localhost" or a name without a dot, as
+    getfqdn() gives on many hosts: EHLO, Received and MAILER-DAEMON would say so."""
+    name = name.lower().rstrip(".")
+    return "." in name and name.split(".")[0] != "localhost" and not name.endswith(".localdomain")
+
+
 def domain_of(address: str) -> str:
     return address[address.rfind("@") + 1 :].lower()
 
