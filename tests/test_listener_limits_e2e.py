@@ -6,6 +6,7 @@ import contextlib
 import select
 import socket
 import time
+from pathlib import Path
 
 BODY = b"Subject: limits\r\n\r\nbody\r\n"
 
@@ -112,3 +113,36 @@ def test_per_client_cap_spares_mynetworks_and_the_total_cap_still_holds(start_da
         assert reply(one_more).startswith(b"421 4.7.0")
     for sock in outside + local:
         sock.close()
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:", 1)[1].split()[0])
+
+
+def test_client_that_reads_no_replies_cannot_grow_our_buffers_or_keep_its_slot(start_daemon):
+    # Pipelined NOOPs from a client that never reads: each 6 bytes in made 15 bytes of
+    # replies that waited in our write buffer, without bound; after the deadline the 421
+    # waited there too, and the connection kept its slot for good.
+    daemon = start_daemon("listen.max_connections=1", "listen.command_timeout=2s")
+    before = rss_kib(daemon.proc.pid)
+    sock = connect(daemon)
+    sock.settimeout(0.5)
+    chunk = b"NOOP\r\n" * 10_000
+    sent = 0
+    start = time.monotonic()
+    cut = False
+    while sent < 100_000_000 and time.monotonic() - start < 20:
+        try:
+            sent += sock.send(chunk)
+        except TimeoutError:
+            continue  # the daemon stopped reading: good, wait for it to give up on us
+        except OSError:
+            cut = True
+            break
+    grown = rss_kib(daemon.proc.pid) - before
+    sock.close()
+    assert cut, f"still connected after {sent} bytes"
+    assert sent < 20_000_000, sent
+    assert grown < 30_000, f"daemon RSS grew {grown} KiB"
+    assert daemon.send("app@example.com", ["a@example.org"], BODY)  # the slot is free

@@ -133,6 +133,8 @@ class SubmissionProtocol(asyncio.Protocol):
         # When the command line (or the DATA transfer) in progress must be done by.
         self.deadline = time.monotonic() + listener.settings.command_timeout
         self._waiting = False
+        self._write_paused = False  # our replies pile up: the client does not read them
+        self._reading = True
         self._starting_tls = False
         self._tls_task: asyncio.Future | None = None
         self._tls = False
@@ -195,11 +197,18 @@ class SubmissionProtocol(asyncio.Protocol):
                 self.transport.write(b"421 4.3.0 Internal error, try again later\r\n")
                 self.transport.close()
             return
-        if self._waiting and session.buffered > MAX_PIPELINED and self.transport is not None:
-            self.transport.pause_reading()
+        self._update_reading()
 
     def eof_received(self) -> bool | None:
         return False  # close our side too
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._update_reading()
 
     # -- driving the session -------------------------------------------------------
 
@@ -231,7 +240,7 @@ class SubmissionProtocol(asyncio.Protocol):
         if self.session is None or self.transport is None:
             return
         self._restart_deadline(time.monotonic())  # the client waited for us, not we for it
-        self.transport.resume_reading()
+        self._update_reading()
         self._continue(self.session.resume(outcome))
 
     def _submit(self, submit: Submit) -> None:
@@ -319,13 +328,28 @@ class SubmissionProtocol(asyncio.Protocol):
         in_data = self.session is not None and self.session.in_data
         self.deadline = now + (settings.data_timeout if in_data else settings.command_timeout)
 
+    def _update_reading(self) -> None:
+        """Read only while the client reads our replies and a pending commit has room:
+        a client pipelining commands without reading must not grow our buffers."""
+        session, transport = self.session, self.transport
+        if session is None or transport is None:
+            return
+        backlog = self._waiting and session.buffered > MAX_PIPELINED
+        reading = not (self._write_paused or backlog)
+        if reading != self._reading:
+            self._reading = reading
+            (transport.resume_reading if reading else transport.pause_reading)()
+
     def check_deadline(self, now: float) -> None:
         session = self.session
-        if session is None or self._waiting:
+        if session is None or self._waiting or now <= self.deadline:
             return
-        if now > self.deadline:
-            session.timeout()
-            self._continue(None)
+        if session.closed or self._write_paused:
+            self.abort()  # it reads nothing we write: a 421 would only wait in a buffer
+            return
+        log.info("session_timeout", client=self.client, in_data=session.in_data)
+        session.timeout()
+        self._continue(None)
 
     def drain(self) -> None:
         """Daemon is stopping: end idle sessions now, busy ones after their message."""
