@@ -30,12 +30,11 @@ def reply(sock: socket.socket) -> bytes:
         data += chunk
 
 
-def dribble_until_cut(socks: list[socket.socket], byte_chunk: bytes, limit: float) -> dict:
-    """Send `byte_chunk` to every socket each 0.25 s; return {index: (seconds, reply)} of
-    the ones the daemon answered (and closed), until all were or `limit` passed."""
-    start = time.monotonic()
+def dribble_until_cut(socks: list[socket.socket], byte_chunk: bytes, start: float) -> dict:
+    """Send `byte_chunk` to every socket each 0.25 s; return {index: (seconds since start,
+    reply)} of the ones the daemon answered (and closed), until all were or 15 s passed."""
     cut: dict[int, tuple[float, bytes]] = {}
-    while len(cut) < len(socks) and time.monotonic() - start < limit:
+    while len(cut) < len(socks) and time.monotonic() - start < 15:
         for i, sock in enumerate(socks):
             if i not in cut:
                 with contextlib.suppress(OSError):  # closed under us: its reply is read below
@@ -52,15 +51,16 @@ def test_slow_command_lines_are_cut_at_their_deadline_and_free_the_slots(start_d
     # Clients sending one byte now and then held their connections forever (each byte
     # restarted the timeout), filled max_connections, and everyone else got 421.
     daemon = start_daemon("listen.max_connections=5", "listen.command_timeout=2s")
+    start = time.monotonic()  # before the daemon starts any of their deadlines
     slow = [connect(daemon) for _ in range(5)]
     assert all(reply(s).startswith(b"220 ") for s in slow)
     with connect(daemon) as extra:
         assert reply(extra).startswith(b"421 4.7.0")  # the total cap holds meanwhile
-    cut = dribble_until_cut(slow, b"N", limit=15)
+    cut = dribble_until_cut(slow, b"N", start)
     assert sorted(cut) == list(range(5)), cut
     for seconds, text in cut.values():
         assert text.startswith(b"421 4.4.2"), text
-        assert 1.5 < seconds < 8, seconds  # 2 s, plus the 1 s sweep, plus a loaded machine
+        assert 2 <= seconds < 8, seconds  # 2 s, plus the 1 s sweep, plus a loaded machine
     for sock in slow:
         sock.close()
     assert daemon.send("app@example.com", ["a@example.org"], BODY)
@@ -70,7 +70,7 @@ def test_data_below_the_minimum_rate_is_cut_and_a_fast_sender_is_not(start_daemo
     # 40 bytes/s against min_data_rate 500: its deadline (3 s) is barely extended and
     # runs out; 4000 bytes/s earns more than it spends and may take longer than 3 s.
     daemon = start_daemon("listen.data_timeout=3s")  # min_data_rate: the default, 500
-    socks = [connect(daemon), connect(daemon)]
+    socks = [connect(daemon), connect(daemon)]  # fast first: slow's deadline starts last
     for sock in socks:
         assert reply(sock).startswith(b"220 ")
         sock.sendall(b"EHLO c\r\n")
@@ -78,10 +78,10 @@ def test_data_below_the_minimum_rate_is_cut_and_a_fast_sender_is_not(start_daemo
         for command in (b"MAIL FROM:<a@example.com>", b"RCPT TO:<b@example.org>", b"DATA"):
             sock.sendall(command + b"\r\n")
             assert reply(sock)[:1] in (b"2", b"3")
-    slow, fast = socks
+    fast, slow = socks
     start = time.monotonic()
     slow_cut = fast_reply = None
-    while time.monotonic() - start < 6:  # the fast one sends for twice data_timeout
+    while time.monotonic() - start < 8:  # the fast one sends for over twice data_timeout
         fast.sendall(b"x" * 998 + b"\r\n")
         if slow_cut is None:
             slow.sendall(b"0123456789")
@@ -94,7 +94,7 @@ def test_data_below_the_minimum_rate_is_cut_and_a_fast_sender_is_not(start_daemo
     assert slow_cut is not None
     seconds, text = slow_cut
     assert text.startswith(b"421 4.4.2"), text
-    assert 2.5 < seconds < 6, seconds
+    assert 2.5 < seconds < 7.5, seconds  # 3 / (1 - 40/500) s, the 1 s sweep, a loaded machine
     assert len(daemon.messages()) == 1
 
 
