@@ -1,0 +1,370 @@
+"""A bounded SMTP fuzzer against the real daemon (a subprocess, one per test).
+
+Each case is one client session of random or mutated input: commands and their
+parameters (xtext, ORCPT, ENVID, SIZE, NOTIFY, ...), addresses, message data, huge
+lines, NULs, invalid UTF-8, odd line endings, all pipelined in random chunks. Whatever
+a case does, the daemon must end its session once the client has half-closed, and a
+valid message sent right after must still get `250 ... queued as <ID>`: no input may
+wedge the listener or the spool. At the end SIGTERM must still stop the daemon, exit 0.
+
+CI runs a fixed, derandomized set of examples with no example database, so a failure
+reproduces on any machine. A longer search is opt-in: MTAQUEUE_FUZZ_EXAMPLES=5000 (the
+number of examples per test). Examples are not shrunk: a failing case may have wedged
+the daemon, so every later example fails too and shrinking would only mislead; the
+failure shows the whole transcript of the case instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import socket
+import subprocess
+from collections import Counter
+
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+EXAMPLES = int(os.environ.get("MTAQUEUE_FUZZ_EXAMPLES", "200"))
+FUZZ_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=(Phase.explicit, Phase.generate),
+    print_blob=False,
+)
+REPLY_TIMEOUT = 15.0  # seconds for any reply; a healthy daemon answers in milliseconds
+GRACE = 3.0  # spool.shutdown_grace of the fuzzed daemon
+STOP_BOUND = GRACE + 15.0  # SIGTERM to exit, with room for a loaded machine
+MAX_MESSAGE = 65536  # small, so that the "too big" path is cheap to reach
+QUEUED = re.compile(rb"^250 2\.0\.0 Ok: queued as (\S+)\r\n", re.MULTILINE)
+
+DAEMON_OVERRIDES = (
+    f"listen.max_message_size={MAX_MESSAGE}",
+    f"spool.shutdown_grace={GRACE}",
+    "listen.max_recipients=20",
+)
+
+
+# -- building blocks --------------------------------------------------------------------
+
+
+def mostly(valid: st.SearchStrategy, hostile: st.SearchStrategy) -> st.SearchStrategy:
+    """Usually a valid value, sometimes a hostile one: a case must get far enough into a
+    transaction (to the commit) for its one odd part to matter."""
+    return st.sampled_from([True, True, True, False]).flatmap(lambda ok: valid if ok else hostile)
+
+
+HEX = "0123456789ABCDEF"
+# xtext as a client might send it: plain characters, "+XX" escapes of arbitrary octets
+# (so often not UTF-8), lower-case or truncated escapes, and characters xtext forbids.
+XTEXT_PIECE = st.one_of(
+    st.text(
+        st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters="+="),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(0, 255).map(lambda b: f"+{b:02X}"),
+    st.sampled_from(["+", "+F", "+ff", "+G1", "=", "\x00", "é", "\udcff", "+2B", "+3D", "+C3+A9"]),
+)
+XTEXT = st.lists(XTEXT_PIECE, min_size=1, max_size=8).map("".join)
+
+VALID_ADDRESS = st.sampled_from(
+    ["a@example.org", "user.name@example.net", '"quoted local"@example.org', "b@[127.0.0.1]"]
+)
+LOCAL = st.one_of(
+    st.sampled_from(["a", '"a\\"b"', "ü", "x" * 70, "", ".a", "a..b"]),
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x2FF), max_size=10),
+)
+DOMAIN = st.one_of(
+    st.sampled_from(["bücher.test", "[IPv6:::1]", "[1.2.3]", "a..b", "-x.test", ""]),
+    st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=12),
+)
+HOSTILE_ADDRESS = st.one_of(
+    st.builds(lambda lp, d: f"{lp}@{d}", LOCAL, DOMAIN),
+    st.sampled_from(["@a,@b:c@d.test", "postmaster", "a@b@c"]),
+)
+HOSTILE_PATH = st.one_of(
+    HOSTILE_ADDRESS.map(lambda a: f"<{a}>"),
+    HOSTILE_ADDRESS,  # no angle brackets
+    st.sampled_from(["<", ">", "<<a@b.test>>", "<a@b.test", ""]),
+)
+SENDER = mostly(st.one_of(VALID_ADDRESS, st.just("")).map(lambda a: f"<{a}>"), HOSTILE_PATH)
+RECIPIENT = mostly(VALID_ADDRESS.map(lambda a: f"<{a}>"), HOSTILE_PATH)
+
+MAIL_PARAM = st.one_of(
+    st.builds("ENVID={}".format, XTEXT),  # xtext decides: often not UTF-8
+    mostly(
+        st.one_of(
+            st.integers(0, MAX_MESSAGE).map("SIZE={}".format),
+            st.sampled_from(["BODY=7BIT", "BODY=8BITMIME", "SMTPUTF8", "RET=FULL", "RET=HDRS"]),
+            st.just("AUTH=<>"),
+        ),
+        st.one_of(
+            st.builds("SIZE={}".format, st.one_of(st.integers(MAX_MESSAGE, 10**30), XTEXT)),
+            st.sampled_from(["BODY=BINARYMIME", "BODY=", "SMTPUTF8=yes", "RET=", "ENVID="]),
+            st.builds("X-{}={}".format, st.text(HEX, max_size=4), XTEXT),
+        ),
+    ),
+)
+NOTIFY = st.lists(st.sampled_from(["SUCCESS", "FAILURE", "DELAY"]), min_size=1, max_size=3)
+RCPT_PARAM = st.one_of(
+    st.builds("ORCPT={};{}".format, st.sampled_from(["rfc822", "utf-8", "RFC822"]), XTEXT),
+    mostly(
+        st.one_of(st.just("NOTIFY=NEVER"), NOTIFY.map(lambda w: "NOTIFY=" + ",".join(w))),
+        st.one_of(
+            st.sampled_from(["NOTIFY=", "NOTIFY=NEVER,SUCCESS", "NOTIFY=x", "RET=FULL"]),
+            st.builds("ORCPT={}".format, XTEXT),
+            st.builds("ORCPT={};{}".format, st.sampled_from(["", "x", "rfc822;"]), XTEXT),
+        ),
+    ),
+)
+
+
+def _command(verb: str, arg: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    return arg.map(lambda a: f"{verb} {a}" if a else verb)
+
+
+MAIL = st.builds(
+    lambda path, params: " ".join([f"MAIL FROM:{path}", *params]),
+    SENDER,
+    st.lists(MAIL_PARAM, max_size=3),
+)
+RCPT = st.builds(
+    lambda path, params: " ".join([f"RCPT TO:{path}", *params]),
+    RECIPIENT,
+    st.lists(RCPT_PARAM, max_size=2),
+)
+OTHER_COMMAND = st.one_of(
+    _command("EHLO", st.sampled_from(["client.test", "", "[127.0.0.1]", "x\x01y"])),
+    _command("HELO", st.sampled_from(["client.test", ""])),
+    st.sampled_from(
+        ["RSET", "NOOP", "VRFY a", "HELP", "DATA", "DATA x", "STARTTLS", "BDAT 10 LAST"]
+    ),
+    st.sampled_from(["AUTH PLAIN AGEAYg==", "AUTH LOGIN", "AUTH CRAM-MD5", "*", "ETRN x"]),
+    st.text(max_size=30),
+)
+
+# Message data: header and body lines, with dots, long lines and the odd terminator.
+DATA_LINE = st.one_of(
+    st.sampled_from(
+        [
+            "Subject: hi",
+            "X-Mtaqueue-Class: p0",
+            "X-Mtaqueue-Class: nosuch",
+            "X-Mtaqueue-Expires: 2h",
+            "X-Mtaqueue-Expires: yesterday",
+            "X-Mtaqueue-Idempotency-Key: k",
+            "Subject: hi\rX-Mtaqueue-Class: nosuch",
+            "",
+            ".",
+            "..",
+            ".x",
+            "\x00",
+            "From: <a@b.test>",
+            " folded",
+        ]
+    ),
+    st.text(max_size=40),
+    st.integers(990, 1010).map(lambda n: "x" * n),
+)
+DATA = st.lists(DATA_LINE, max_size=10)
+
+
+# -- a case: lines, mutated, joined and cut into chunks ---------------------------------
+
+
+@st.composite
+def mutated(draw, raw: bytes) -> bytes:
+    """The line with one mutation a broken or hostile client might make."""
+    kind = draw(st.sampled_from(["insert", "cut", "repeat", "case", "huge"]))
+    at = draw(st.integers(0, len(raw)))
+    if kind == "insert":
+        junk = draw(
+            st.sampled_from([b"\x00", b"\xff", b"\xc3", b"\xed\xa0\x80", b"\r", b"\n", b"\r\n."])
+        )
+        return raw[:at] + junk + raw[at:]
+    if kind == "cut":
+        return raw[:at]
+    if kind == "repeat":
+        return raw[:at] + raw[at:] * draw(st.integers(2, 4))
+    if kind == "case":
+        return raw.swapcase()
+    filler = draw(st.sampled_from([b"A", b"+FF", b"\xff"]))
+    return raw[:at] + filler * draw(st.sampled_from([600, 2100, 70000]))
+
+
+@st.composite
+def session(draw) -> list[bytes]:
+    """A transaction's lines (EHLO, MAIL, RCPT..., DATA, data, dot), with other commands
+    or garbage mixed in and up to two lines mutated."""
+    lines: list[str] = [draw(mostly(st.just("EHLO client.test"), OTHER_COMMAND))]
+    lines.append(draw(MAIL))
+    lines += draw(st.lists(RCPT, min_size=1, max_size=3))
+    lines.append("DATA")
+    lines += draw(DATA)
+    lines.append(".")
+    for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):
+        lines.insert(draw(st.integers(0, len(lines))), draw(OTHER_COMMAND))
+    raw = [line.encode("utf-8", "surrogateescape") for line in lines]
+    for _ in range(draw(st.sampled_from([0, 0, 1, 1, 2]))):
+        i = draw(st.integers(0, len(raw) - 1))
+        raw[i] = draw(mutated(raw[i]))
+    return raw
+
+
+@st.composite
+def garbage(draw) -> list[bytes]:
+    """Command soup and raw bytes: random verbs, binary, huge lines."""
+    piece = st.one_of(
+        st.binary(max_size=64),
+        OTHER_COMMAND.map(lambda c: c.encode("utf-8", "surrogateescape")),
+        MAIL.map(lambda m: m.encode("utf-8", "surrogateescape")),
+        st.sampled_from([b"\xff" * 3000, b"A" * 100_000, b"\x00" * 50, b".", b"DATA"]),
+    )
+    return draw(st.lists(piece, min_size=1, max_size=12))
+
+
+@st.composite
+def wire(draw, lines: st.SearchStrategy[list[bytes]]) -> list[bytes]:
+    """The lines joined with a line ending (mostly CRLF), cut into chunks as a client's
+    writes might arrive."""
+    parts = draw(lines)
+    if draw(mostly(st.just(True), st.just(False))):
+        payload = b"".join(p + b"\r\n" for p in parts)
+    else:
+        odd = st.sampled_from([b"\r\n", b"\r\n", b"\n", b"\r", b"\r\r\n", b""])
+        payload = b"".join(p + draw(odd) for p in parts)
+    cuts = sorted(draw(st.lists(st.integers(0, len(payload)), max_size=4)))
+    bounds = [0, *cuts, len(payload)]
+    return [payload[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+
+
+# -- talking to the daemon -----------------------------------------------------------------
+
+
+def _connect(daemon) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", daemon.port), timeout=REPLY_TIMEOUT)
+
+
+def play(daemon, chunks: list[bytes]) -> bytes:
+    """Send the chunks, half-close, and read until the daemon closes the session.
+    Returns what the daemon said; raises AssertionError if it did not finish in time."""
+    received = bytearray()
+    with _connect(daemon) as sock:
+        try:
+            try:
+                for chunk in chunks:
+                    sock.sendall(chunk)
+                sock.shutdown(socket.SHUT_WR)
+            except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+                if isinstance(exc, TimeoutError):
+                    raise
+                # The daemon hung up first (too many errors, a refusal): what it said
+                # before that is still to be read.
+            while data := sock.recv(65536):
+                received += data
+        except TimeoutError:
+            raise AssertionError(
+                f"the session did not end within {REPLY_TIMEOUT}s of the client's EOF;"
+                f" the daemon said: {bytes(received)[-2000:]!r}"
+            ) from None
+        except ConnectionResetError:
+            pass  # closing with our input unread resets the connection
+    return bytes(received)
+
+
+def _reply(sock: socket.socket, buffer: bytearray) -> bytes:
+    """One complete (possibly multi-line) reply."""
+    while True:
+        match = re.search(rb"^\d{3} [^\r\n]*\r\n", buffer, re.MULTILINE)
+        if match:
+            reply = bytes(buffer[: match.end()])
+            del buffer[: match.end()]
+            return reply
+        data = sock.recv(65536)
+        if not data:
+            raise AssertionError(f"connection closed; buffered: {bytes(buffer)!r}")
+        buffer += data
+
+
+def healthy(daemon) -> str:
+    """A valid message, step by step: it must be accepted. Returns its queue id."""
+    steps = [
+        (None, b"220"),
+        (b"EHLO health.test\r\n", b"250"),
+        (b"MAIL FROM:<health@sender.test>\r\n", b"250"),
+        (b"RCPT TO:<health@rcpt.test>\r\n", b"250"),
+        (b"DATA\r\n", b"354"),
+        (b"Subject: health\r\n\r\nstill accepting\r\n.\r\n", b"250"),
+    ]
+    buffer = bytearray()
+    with _connect(daemon) as sock:
+        for line, code in steps:
+            if line is not None:
+                sock.sendall(line)
+            try:
+                reply = _reply(sock, buffer)
+            except TimeoutError:
+                raise AssertionError(
+                    f"no reply to {line!r} within {REPLY_TIMEOUT}s: the daemon is wedged"
+                ) from None
+            assert reply.startswith(code), f"{line!r} got {reply!r}"
+        sock.sendall(b"QUIT\r\n")
+    match = QUEUED.match(reply)
+    assert match, f"no queue id in {reply!r}"
+    return match[1].decode()
+
+
+def fuzz(daemon, strategy: st.SearchStrategy[list[bytes]]) -> Counter[str]:
+    """Run the examples against one daemon; returns how far the cases got: examples run,
+    cases that reached DATA (354) and cases that had a message queued."""
+    reached: Counter[str] = Counter()
+
+    @FUZZ_SETTINGS
+    @given(strategy)
+    def case(chunks: list[bytes]) -> None:
+        said = b""
+        try:
+            said = play(daemon, chunks)
+            healthy(daemon)
+        except AssertionError as exc:
+            raise AssertionError(
+                f"{exc}\n-- the case sent: {b''.join(chunks)[:3000]!r}\n-- and got: {said[:2000]!r}"
+            ) from None
+        reached["examples"] += 1
+        reached["data"] += b"\r\n354 " in b"\r\n" + said
+        reached["queued"] += bool(QUEUED.search(said))
+
+    case()
+    return reached
+
+
+def stops_cleanly(daemon) -> None:
+    try:
+        code = daemon.stop(timeout=STOP_BOUND)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"SIGTERM did not stop the daemon within {STOP_BOUND}s") from None
+    assert code == 0
+
+
+# -- the tests --------------------------------------------------------------------------------
+
+
+def test_mutated_transactions_never_wedge_the_daemon(start_daemon):
+    daemon = start_daemon(*DAEMON_OVERRIDES)
+    healthy(daemon)
+    reached = fuzz(daemon, wire(session()))
+    # The search must go deep: a good share of the cases get to DATA and to a commit.
+    assert reached["examples"] == EXAMPLES
+    assert reached["data"] >= EXAMPLES // 4 and reached["queued"] >= EXAMPLES // 8, reached
+    stops_cleanly(daemon)
+
+
+def test_pipelined_garbage_never_wedges_the_daemon(start_daemon):
+    daemon = start_daemon(*DAEMON_OVERRIDES)
+    healthy(daemon)
+    assert fuzz(daemon, wire(garbage()))["examples"] == EXAMPLES
+    stops_cleanly(daemon)
