@@ -48,14 +48,7 @@ DAEMON_OVERRIDES = (
 )
 
 
-# -- building blocks --------------------------------------------------------------------
-
-
-def mostly(valid: st.SearchStrategy, hostile: st.SearchStrategy) -> st.SearchStrategy:
-    """Usually a valid value, sometimes a hostile one: a case must get far enough into a
-    transaction (to the commit) for its one odd part to matter."""
-    return st.sampled_from([True, True, True, False]).flatmap(lambda ok: valid if ok else hostile)
-
+# -- building blocks: each part of a transaction, valid or hostile ---------------------------
 
 HEX = "0123456789ABCDEF"
 XCHAR = st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters="+=")
@@ -70,68 +63,74 @@ VALID_XTEXT = st.lists(
     min_size=1,
     max_size=6,
 ).map("".join)
-# Hostile xtext: "+XX" escapes of arbitrary octets (so often not UTF-8), lower-case or
-# truncated escapes, and characters xtext forbids.
-HOSTILE_XTEXT = st.lists(
+# Well-formed xtext with escapes of octets over 127 in any order, so mostly not UTF-8.
+# (Drawn from their own range: hypothesis favours small integers.)
+OCTET_XTEXT = st.lists(
     st.one_of(
-        st.text(XCHAR, min_size=1, max_size=3),
-        st.integers(0, 255).map(lambda b: f"+{b:02X}"),
-        st.sampled_from(["+", "+F", "+ff", "+G1", "=", "\x00", "é", "\udcff", "+ED+A0+80"]),
+        st.text(XCHAR, min_size=1, max_size=3), st.integers(0x80, 0xFF).map("+{:02X}".format)
     ),
     min_size=1,
     max_size=6,
 ).map("".join)
-XTEXT = mostly(VALID_XTEXT, HOSTILE_XTEXT)
-
-VALID_ADDRESS = st.sampled_from(
-    ["a@example.org", "user.name@example.net", '"quoted local"@example.org', "b@[127.0.0.1]"]
+# Malformed xtext: lower-case or truncated escapes, characters xtext forbids.
+BAD_XTEXT = st.lists(
+    st.one_of(
+        st.text(XCHAR, min_size=1, max_size=3),
+        st.sampled_from(["+", "+F", "+ff", "+G1", "=", "\x00", "é", "\udcff", "+ED+A0+80"]),
+    ),
+    min_size=1,
+    max_size=4,
+).map("".join)
+HOSTILE_XTEXT = st.one_of(OCTET_XTEXT, BAD_XTEXT)
+HOSTILE_XTEXT_PARAM = st.one_of(
+    HOSTILE_XTEXT.map("ENVID={}".format),
+    st.builds("ORCPT={};{}".format, st.sampled_from(["rfc822", "utf-8", "x", ""]), HOSTILE_XTEXT),
 )
+
+VALID_PATH = st.sampled_from(
+    ["a@example.org", "user.name@example.net", '"quoted local"@example.org', "b@[127.0.0.1]"]
+).map("<{}>".format)
 LOCAL = st.one_of(
     st.sampled_from(["a", '"a\\"b"', "ü", "x" * 70, "", ".a", "a..b"]),
     st.text(st.characters(min_codepoint=0x20, max_codepoint=0x2FF), max_size=10),
 )
 DOMAIN = st.one_of(
-    st.sampled_from(["bücher.test", "[IPv6:::1]", "[1.2.3]", "a..b", "-x.test", ""]),
+    st.sampled_from(["bücher.test", "[IPv6:::1]", "[1.2.3]", "a..b", "-x.test", "x" * 300, ""]),
     st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=12),
 )
 HOSTILE_ADDRESS = st.one_of(
-    st.builds(lambda lp, d: f"{lp}@{d}", LOCAL, DOMAIN),
+    st.builds("{}@{}".format, LOCAL, DOMAIN),
     st.sampled_from(["@a,@b:c@d.test", "postmaster", "a@b@c"]),
 )
 HOSTILE_PATH = st.one_of(
-    HOSTILE_ADDRESS.map(lambda a: f"<{a}>"),
+    HOSTILE_ADDRESS.map("<{}>".format),
     HOSTILE_ADDRESS,  # no angle brackets
     st.sampled_from(["<", ">", "<<a@b.test>>", "<a@b.test", ""]),
 )
-SENDER = mostly(st.one_of(VALID_ADDRESS, st.just("")).map(lambda a: f"<{a}>"), HOSTILE_PATH)
-RECIPIENT = mostly(VALID_ADDRESS.map(lambda a: f"<{a}>"), HOSTILE_PATH)
 
-MAIL_PARAM = st.one_of(
-    st.builds("ENVID={}".format, XTEXT),  # xtext decides: often not UTF-8
-    mostly(
-        st.one_of(
-            st.integers(0, MAX_MESSAGE).map("SIZE={}".format),
-            st.sampled_from(["BODY=7BIT", "BODY=8BITMIME", "SMTPUTF8", "RET=FULL", "RET=HDRS"]),
-            st.just("AUTH=<>"),
-        ),
-        st.one_of(
-            st.builds("SIZE={}".format, st.one_of(st.integers(MAX_MESSAGE, 10**30), XTEXT)),
-            st.sampled_from(["BODY=BINARYMIME", "BODY=", "SMTPUTF8=yes", "RET=", "ENVID="]),
-            st.builds("X-{}={}".format, st.text(HEX, max_size=4), XTEXT),
-        ),
-    ),
+VALID_MAIL_PARAM = st.one_of(
+    st.integers(0, MAX_MESSAGE // 2).map("SIZE={}".format),
+    st.sampled_from(["BODY=7BIT", "BODY=8BITMIME", "SMTPUTF8", "RET=FULL", "RET=HDRS", "AUTH=<>"]),
+    VALID_XTEXT.map("ENVID={}".format),
+)
+HOSTILE_MAIL_PARAM = st.one_of(
+    HOSTILE_XTEXT.map("ENVID={}".format),
+    st.builds("SIZE={}".format, st.one_of(st.integers(MAX_MESSAGE, 10**30), HOSTILE_XTEXT)),
+    st.sampled_from(["BODY=BINARYMIME", "BODY=", "SMTPUTF8=yes", "RET=", "ENVID=", "SIZE="]),
+    st.builds("X-{}={}".format, st.text(HEX, max_size=4), VALID_XTEXT),
+    st.text(XCHAR, min_size=1, max_size=8),
 )
 NOTIFY = st.lists(st.sampled_from(["SUCCESS", "FAILURE", "DELAY"]), min_size=1, max_size=3)
-RCPT_PARAM = st.one_of(
-    st.builds("ORCPT={};{}".format, st.sampled_from(["rfc822", "utf-8", "RFC822"]), XTEXT),
-    mostly(
-        st.one_of(st.just("NOTIFY=NEVER"), NOTIFY.map(lambda w: "NOTIFY=" + ",".join(w))),
-        st.one_of(
-            st.sampled_from(["NOTIFY=", "NOTIFY=NEVER,SUCCESS", "NOTIFY=x", "RET=FULL"]),
-            st.builds("ORCPT={}".format, XTEXT),
-            st.builds("ORCPT={};{}".format, st.sampled_from(["", "x", "rfc822;"]), XTEXT),
-        ),
-    ),
+VALID_RCPT_PARAM = st.one_of(
+    st.just("NOTIFY=NEVER"),
+    NOTIFY.map(lambda words: "NOTIFY=" + ",".join(words)),
+    st.builds("ORCPT={};{}".format, st.sampled_from(["rfc822", "RFC822"]), VALID_XTEXT),
+)
+HOSTILE_RCPT_PARAM = st.one_of(
+    st.builds("ORCPT={};{}".format, st.sampled_from(["rfc822", "utf-8", "x", ""]), HOSTILE_XTEXT),
+    st.builds("ORCPT={}".format, VALID_XTEXT),  # no addr-type
+    st.builds("ORCPT=rfc822;{}".format, st.text(XCHAR, min_size=490, max_size=520)),
+    st.sampled_from(["NOTIFY=", "NOTIFY=NEVER,SUCCESS", "NOTIFY=x", "RET=FULL", "ORCPT="]),
 )
 
 
@@ -139,53 +138,45 @@ def _command(verb: str, arg: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
     return arg.map(lambda a: f"{verb} {a}" if a else verb)
 
 
-MAIL = st.builds(
-    lambda path, params: " ".join([f"MAIL FROM:{path}", *params]),
-    SENDER,
-    st.lists(MAIL_PARAM, max_size=2),
-)
-RCPT = st.builds(
-    lambda path, params: " ".join([f"RCPT TO:{path}", *params]),
-    RECIPIENT,
-    st.lists(RCPT_PARAM, max_size=2),
-)
 OTHER_COMMAND = st.one_of(
     _command("EHLO", st.sampled_from(["client.test", "", "[127.0.0.1]", "x\x01y"])),
     _command("HELO", st.sampled_from(["client.test", ""])),
     st.sampled_from(
-        ["RSET", "NOOP", "VRFY a", "HELP", "DATA", "DATA x", "STARTTLS", "BDAT 10 LAST"]
+        ["RSET", "NOOP", "VRFY a", "HELP", "DATA", "DATA x", "STARTTLS", "BDAT 10 LAST", "QUIT"]
     ),
     st.sampled_from(["AUTH PLAIN AGEAYg==", "AUTH LOGIN", "AUTH CRAM-MD5", "*", "ETRN x"]),
     st.text(max_size=30),
 )
 
-# Message data: header and body lines, with dots, long lines and the odd terminator.
-DATA_LINE = st.one_of(
+# Message data, with dots stuffed as a client must.
+VALID_DATA_LINE = st.one_of(
+    st.sampled_from(
+        ["Subject: hi", "From: <a@b.test>", " folded", "", "..", "..x", "X-Mtaqueue-Class: p0"]
+    ),
+    st.sampled_from(["X-Mtaqueue-Expires: 2h", "X-Mtaqueue-Idempotency-Key: k", "Subject: é"]),
+    st.text(st.characters(min_codepoint=0x20, exclude_categories=["Cs", "Cc"]), max_size=40),
+)
+HOSTILE_DATA_LINE = st.one_of(
     st.sampled_from(
         [
-            "Subject: hi",
-            "X-Mtaqueue-Class: p0",
             "X-Mtaqueue-Class: nosuch",
-            "X-Mtaqueue-Expires: 2h",
             "X-Mtaqueue-Expires: yesterday",
-            "X-Mtaqueue-Idempotency-Key: k",
             "Subject: hi\rX-Mtaqueue-Class: nosuch",
-            "",
-            ".",
-            "..",
+            "Subject: hi\nX-Mtaqueue-Class: p0",
+            ".",  # an early end: what follows is read as commands
             ".x",
             "\x00",
-            "From: <a@b.test>",
-            " folded",
+            "x\r\n.\r",
+            "\udcff",
         ]
     ),
     st.text(max_size=40),
-    st.integers(990, 1010).map(lambda n: "x" * n),
+    st.integers(990, 1010).map("x".__mul__),
+    st.integers(MAX_MESSAGE // 2, MAX_MESSAGE + 10).map("y".__mul__),
 )
-DATA = st.lists(DATA_LINE, max_size=10)
 
-
-# -- a case: lines, mutated, joined and cut into chunks ---------------------------------
+# Parameters twice: their parsing (xtext above all) is where hostile input hides best.
+SLOTS = ("greeting", "sender", "recipient", "data", "commands", *["mail_param", "rcpt_param"] * 2)
 
 
 @st.composite
@@ -208,20 +199,43 @@ def mutated(draw, raw: bytes) -> bytes:
     return raw[:at] + filler * draw(st.sampled_from([600, 2100, 70000]))
 
 
+def _insert(draw, items: list, item) -> None:
+    items.insert(draw(st.integers(0, len(items))), item)
+
+
 @st.composite
 def session(draw) -> list[bytes]:
-    """A transaction's lines (EHLO, MAIL, RCPT..., DATA, data, dot), with other commands
-    or garbage mixed in and up to two lines mutated."""
-    lines: list[str] = [draw(mostly(st.just("EHLO client.test"), OTHER_COMMAND))]
-    lines.append(draw(MAIL))
-    lines += draw(st.lists(RCPT, min_size=1, max_size=3))
-    lines.append("DATA")
-    lines += draw(DATA)
-    lines.append(".")
-    for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):
-        lines.insert(draw(st.integers(0, len(lines))), draw(OTHER_COMMAND))
+    """A valid transaction (EHLO, MAIL, RCPT..., DATA, data, dot) with one or two parts
+    hostile, so that the odd part meets every later step up to the commit: a hostile
+    greeting, sender, MAIL or RCPT parameter, recipient, data, extra commands; then
+    perhaps a byte-level mutation of one line."""
+    hostile = draw(st.sets(st.sampled_from(SLOTS), min_size=1, max_size=2))
+    greeting = OTHER_COMMAND if "greeting" in hostile else st.just("EHLO client.test")
+    sender = HOSTILE_PATH if "sender" in hostile else st.one_of(VALID_PATH, st.just("<>"))
+    params = draw(st.lists(VALID_MAIL_PARAM, max_size=2))
+    if "mail_param" in hostile:
+        _insert(draw, params, draw(HOSTILE_MAIL_PARAM))
+    lines = [draw(greeting), " ".join([f"MAIL FROM:{draw(sender)}", *params])]
+    rcpts = []
+    for _ in range(draw(st.integers(1, 3))):
+        params = draw(st.lists(VALID_RCPT_PARAM, max_size=2, unique_by=lambda p: p[:5]))
+        rcpts.append([f"RCPT TO:{draw(VALID_PATH)}", *params])
+    if "recipient" in hostile:
+        _insert(draw, rcpts, [f"RCPT TO:{draw(HOSTILE_PATH)}"])
+    if "rcpt_param" in hostile:
+        rcpt = draw(st.sampled_from(rcpts))
+        rcpt.insert(draw(st.integers(1, len(rcpt))), draw(HOSTILE_RCPT_PARAM))
+    lines += [" ".join(rcpt) for rcpt in rcpts]
+    data = draw(st.lists(VALID_DATA_LINE, max_size=8))
+    if "data" in hostile:
+        for line in draw(st.lists(HOSTILE_DATA_LINE, min_size=1, max_size=3)):
+            _insert(draw, data, line)
+    lines += ["DATA", *data, "."]
+    if "commands" in hostile:
+        for command in draw(st.lists(OTHER_COMMAND, min_size=1, max_size=3)):
+            _insert(draw, lines, command)
     raw = [line.encode("utf-8", "surrogateescape") for line in lines]
-    for _ in range(draw(st.sampled_from([0, 0, 1, 1, 2]))):
+    if draw(st.integers(0, 3)) == 0:
         i = draw(st.integers(0, len(raw) - 1))
         raw[i] = draw(mutated(raw[i]))
     return raw
@@ -233,7 +247,9 @@ def garbage(draw) -> list[bytes]:
     piece = st.one_of(
         st.binary(max_size=64),
         OTHER_COMMAND.map(lambda c: c.encode("utf-8", "surrogateescape")),
-        MAIL.map(lambda m: m.encode("utf-8", "surrogateescape")),
+        st.builds("MAIL FROM:{} {}".format, HOSTILE_PATH, HOSTILE_MAIL_PARAM).map(
+            lambda m: m.encode("utf-8", "surrogateescape")
+        ),
         st.sampled_from([b"\xff" * 3000, b"A" * 100_000, b"\x00" * 50, b".", b"DATA"]),
     )
     return draw(st.lists(piece, min_size=1, max_size=12))
@@ -245,12 +261,12 @@ def wire(draw, lines: st.SearchStrategy[list[bytes]]) -> tuple[list[bytes], bool
     writes might arrive; and how the client ends: mostly a final dot (ending any message
     data) and QUIT, sometimes a bare EOF (half-close) in whatever state it left."""
     parts = draw(lines)
-    eof = not draw(mostly(st.just(True), st.just(False)))
-    if draw(mostly(st.just(True), st.just(False))):
-        payload = b"".join(p + b"\r\n" for p in parts)
+    odd_endings, eof = draw(st.integers(0, 5)) == 0, draw(st.integers(0, 5)) == 0
+    if odd_endings:
+        ending = st.sampled_from([b"\r\n", b"\r\n", b"\n", b"\r", b"\r\r\n", b""])
+        payload = b"".join(p + draw(ending) for p in parts)
     else:
-        odd = st.sampled_from([b"\r\n", b"\r\n", b"\n", b"\r", b"\r\r\n", b""])
-        payload = b"".join(p + draw(odd) for p in parts)
+        payload = b"".join(p + b"\r\n" for p in parts)
     if not eof:
         payload += b"\r\n.\r\nQUIT\r\n"
     cuts = sorted(draw(st.lists(st.integers(0, len(payload)), max_size=4)))
