@@ -175,8 +175,8 @@ HOSTILE_DATA_LINE = st.one_of(
     st.integers(MAX_MESSAGE // 2, MAX_MESSAGE + 10).map("y".__mul__),
 )
 
-# Parameters twice: their parsing (xtext above all) is where hostile input hides best.
-SLOTS = ("greeting", "sender", "recipient", "data", "commands", *["mail_param", "rcpt_param"] * 2)
+# Parameters (xtext above all) and data twice: where hostile input hides best.
+SLOTS = ("greeting", "sender", "recipient", "commands", *["mail_param", "rcpt_param", "data"] * 2)
 
 
 @st.composite
@@ -394,8 +394,7 @@ def test_mutated_transactions_never_wedge_the_daemon(start_daemon):
     reached = fuzz(daemon, wire(session()))
     # The search must go deep: a good share of the cases get to DATA and to a commit.
     assert reached["examples"] == EXAMPLES
-    assert reached["data"] >= EXAMPLES // 4 and reached["queued"] >= EXAMPLES // 8, reached
-    print(reached)
+    assert reached["data"] >= EXAMPLES // 6 and reached["queued"] >= EXAMPLES // 10, reached
     stops_cleanly(daemon)
 
 
