@@ -385,6 +385,14 @@ def test_bad_requests_get_an_error_line(sock_path: str, payload: bytes, error: s
     assert reply["error"].startswith(error)
 
 
+def test_deeply_nested_request_is_refused_and_the_server_goes_on(sock_path: str) -> None:
+    deep = b'{"cmd": "status", "args": {"a": ' + b"[" * 5000 + b"]" * 5000 + b"}}\n"
+    [reply] = raw(sock_path, deep)
+    assert reply == {"ok": False, "error": "malformed request: nested too deeply"}
+    status, end = raw(sock_path, b'{"cmd": "status"}\n')
+    assert status["messages"] == 4 and end == {"ok": True}
+
+
 def test_command_errors_end_the_stream(loop: LoopThread, tmp_path: Path) -> None:
     async def fails_late(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         yield {"n": 1}
