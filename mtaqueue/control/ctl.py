@@ -58,15 +58,31 @@ def _time(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
 
 
+def _duration(seconds: float) -> str:
+    """E.g. "45s", "3m 05s", "2h 00m 10s", "1d 04h 00m 00s"."""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    parts = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
+    while len(parts) > 1 and parts[0][0] == 0:
+        del parts[0]
+    first, *rest = parts
+    return " ".join([f"{first[0]}{first[1]}", *(f"{n:02}{unit}" for n, unit in rest)])
+
+
 def _value(key: str, value: Any) -> str:
     if key == "sender" and value == "":
         return "<>"
-    if value is None or value == "":
+    if value is None or value == "" or value == []:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
     if key in ("created", "expires", "next_attempt"):
         return _time(value)
+    if key == "uptime":
+        return _duration(value)
     return str(value)
 
 
