@@ -24,7 +24,6 @@ from mtaqueue.control.qshape import render as render_qshape
 from mtaqueue.model import RECIPIENT_STATES
 
 PROG = "mtaqueue-ctl"
-DEFAULT_CONFIG = "/etc/mtaqueue/mtaqueue.toml"
 
 Reply = Iterable[dict[str, Any]]
 
@@ -410,7 +409,14 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Inspect and steer a running mtaqueue daemon.")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("-c", "--config", metavar="FILE", help="daemon config to find the socket")
+    where.add_argument(
+        "-c",
+        "--config",
+        metavar="FILE",
+        help="the daemon's config, to find the socket (default: as the daemon's -c:"
+        " $MTAQUEUE_CONFIG, else /etc/mtaqueue/mtaqueue.toml if it exists, else the"
+        " built-in defaults)",
+    )
     where.add_argument("-s", "--socket", metavar="SOCKET", help="control socket path")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, sub in SUBCOMMANDS.items():
@@ -425,7 +431,7 @@ def _socket_path(args: argparse.Namespace) -> str:
         return args.socket
     from mtaqueue import config  # only when needed: -s works without a readable config
 
-    path = args.config or os.environ.get("MTAQUEUE_CONFIG") or DEFAULT_CONFIG
+    path = args.config or config.default_path()  # the daemon's own default
     try:
         return config.control_socket_path(config.load(path, []))
     except config.ConfigError as exc:
