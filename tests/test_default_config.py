@@ -13,8 +13,8 @@ import pytest
 from daemon_process import DaemonProcess
 
 from mtaqueue import config
-from mtaqueue.daemon import main as daemon_main
 from mtaqueue.control import ctl
+from mtaqueue.daemon import main as daemon_main
 
 
 def test_default_path_order(tmp_path, monkeypatch):
