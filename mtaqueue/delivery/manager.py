@@ -23,9 +23,9 @@ from collections.abc import Callable
 import msgspec
 
 from .. import config
-from ..dsn import build_dsn, is_8bit
+from ..dsn import notice as dsn_notice
 from ..logs import get_logger
-from ..model import DEFERRED, QUEUED, Message, Recipient
+from ..model import DEFERRED, QUEUED, Message
 from ..policy.backoff import RetryPolicy, restart_due
 from ..policy.breaker import CLOSED, HALF_OPEN
 from ..policy.buckets import TokenBucket
@@ -591,7 +591,7 @@ class DeliveryManager:
         except (OSError, CorruptMessageFile):
             original = b""
         dsn_id = self.spool.ids.next(now)
-        content = build_dsn(
+        notice, content = dsn_notice(
             message,
             reports,
             original,
@@ -599,19 +599,8 @@ class DeliveryManager:
             now=now,
             max_return=self.cfg.dsn.max_return,
             dsn_id=dsn_id,
-        )
-        notice = Message(
-            id=dsn_id,
-            sender="",
-            recipients=(Recipient(message.sender),),
-            created=now,
-            size=len(content),
             klass=self.cfg.dsn.klass,
-            expires=now + self.cfg.dsn.lifetime,
-            body="8BITMIME" if is_8bit(content) else "7BIT",
-            smtputf8=not message.sender.isascii(),
-            client="",
-            helo=self.hostname,
+            lifetime=self.cfg.dsn.lifetime,
         )
         self.spool.accept(notice, content)
         log.info("dsn_queued", id=dsn_id, kind=kind, about=message.id, to=message.sender)
