@@ -248,14 +248,46 @@ def _count_show(reply: Reply, out: TextIO) -> None:
             out.write(f"{verb} {count} message{'s' if count != 1 else ''}\n")
 
 
+def _counts(counts: dict[str, int] | None) -> str:
+    return ", ".join(f"{k} {n}" for k, n in (counts or {}).items() if n) or "none"
+
+
+def _per_minute(rate: float) -> str:
+    return f"{rate:g}/min" if rate else "unlimited"
+
+
 def _domains_show(reply: Reply, out: TextIO) -> None:
     for d in reply:
-        queued = ", ".join(f"{k} {v}" for k, v in d.get("queued", {}).items()) or "empty"
         out.write(f"{d['destination']}  ({', '.join(d.get('domains', []))})\n")
-        out.write(f"  queued      {queued}\n")
-        out.write(f"  connections {d.get('active')} active / limit {d.get('limit')}\n")
-        out.write(f"  mode        {d.get('mode')}   circuit {d.get('circuit')}\n")
-        out.write(f"  4xx rate    {d.get('deferral_rate')}\n")
+        out.write(f"  queued      {_counts(d.get('queued'))}   (messages ready to go)\n")
+        out.write(f"  deferred    {_counts(d.get('deferred'))}   (messages waiting to retry)\n")
+        if not d.get("routed", True):
+            out.write("  state       none: not routed since the start\n")
+        else:
+            out.write(f"  connections {d.get('active')} active / limit {d.get('limit')}\n")
+            out.write(
+                f"  rates       {_per_minute(d.get('messages_per_minute', 0))} messages,"
+                f" {_per_minute(d.get('connections_per_minute', 0))} connections\n"
+            )
+            if override := d.get("override"):
+                limits = []
+                if override.get("rate_per_minute") is not None:
+                    limits.append(f"rate {_per_minute(override['rate_per_minute'])}")
+                if override.get("concurrency") is not None:
+                    limits.append(f"concurrency {override['concurrency']}")
+                if override.get("until"):
+                    limits.append(f"until {_time(override['until'])}")
+                out.write(f"  override    {', '.join(limits)}\n")
+            circuit = d.get("circuit")
+            if circuit == "open" and d.get("reopen_at"):
+                circuit += f" until {_time(d['reopen_at'])}"
+            mode = d.get("mode")
+            if d.get("stage"):
+                mode = f"{mode} (stage {d['stage']})"
+            out.write(f"  mode        {mode}   circuit {circuit}\n")
+            for host, until in d.get("suspended_hosts", {}).items():
+                out.write(f"  suspended   {host} until {_time(until)}\n")
+            out.write(f"  4xx rate    {d.get('deferral_rate') or 0:.0%} (last 10 minutes)\n")
         for line in d.get("last_replies", []):
             out.write(f"  last        {line}\n")
 
@@ -315,6 +347,13 @@ def _top_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=20)
 
 
+def _waiting(destination: dict[str, Any]) -> int:
+    """Messages for the destination, ready or deferred."""
+    return sum(destination.get("queued", {}).values()) + sum(
+        destination.get("deferred", {}).values()
+    )
+
+
 def _top(args: argparse.Namespace, out: TextIO) -> None:
     """A live view of the busiest destinations, refreshed in the terminal."""
     path = _socket_path(args)
@@ -324,7 +363,7 @@ def _top(args: argparse.Namespace, out: TextIO) -> None:
             status = next(iter(protocol.request(sock, "status", {})))
         with _connect(path) as sock:
             destinations = list(protocol.request(sock, "domains", {}))
-        destinations.sort(key=lambda d: -sum(d.get("queued", {}).values()))
+        destinations.sort(key=lambda d: -_waiting(d))
         if out.isatty():
             out.write("\033[H\033[2J")  # home and clear
         out.write(
@@ -332,13 +371,14 @@ def _top(args: argparse.Namespace, out: TextIO) -> None:
             f"messages {status.get('messages', 0)}  "
             f"by state {status.get('by_state', {})}\n\n"
         )
-        out.write(f"{'destination':<40} {'queued':>7} {'conn':>7} {'mode':>8} {'circuit':>9} 4xx\n")
+        header = f"{'destination':<40} {'waiting':>7} {'conn':>7} {'mode':>8} {'circuit':>9} 4xx"
+        out.write(header + "\n")
         for d in destinations[: args.rows]:
-            queued = sum(d.get("queued", {}).values())
+            waiting = _waiting(d)
             conns = f"{d.get('active', 0)}/{d.get('limit', '-')}"
             out.write(
-                f"{d['destination'][:40]:<40} {queued:>7} {conns:>7} {d.get('mode', ''):>8}"
-                f" {d.get('circuit', ''):>9} {d.get('deferral_rate', 0):.0%}\n"
+                f"{d['destination'][:40]:<40} {waiting:>7} {conns:>7} {d.get('mode') or '-':>8}"
+                f" {d.get('circuit') or '-':>9} {d.get('deferral_rate') or 0:.0%}\n"
             )
         out.flush()
         screens += 1
