@@ -145,9 +145,13 @@ class ListenConfig(_Table):
     max_recipients: Annotated[int, msgspec.Meta(ge=1)] = 1000
     max_connections: Annotated[int, msgspec.Meta(ge=1)] = 200
     max_connections_per_client: Annotated[int, msgspec.Meta(ge=1)] = 50
-    command_timeout: Duration = _d("5m")
-    data_timeout: Duration = _d("10m")
+    # Clients the per-client cap spares: CIDRs, "mynetworks" = every listen.mynetworks entry.
+    client_limit_exceptions: list[str] = msgspec.field(default_factory=lambda: ["mynetworks"])
+    command_timeout: Duration = _d("5m")  # deadline for one whole command line
+    data_timeout: Duration = _d("10m")  # DATA deadline, extended by what min_data_rate earns
+    min_data_rate: Annotated[int, msgspec.Meta(ge=1)] = 500  # bytes/s, as Postfix's
     bare_newline: Literal["normalize", "reject"] = "normalize"
+    max_line_length: Size = _s("1MiB")  # longest line of message data (RFC 5322 says 998)
     tls_cert: str = ""
     tls_key: str = ""
     auth_file: str = ""  # "user:hash" lines; "" = AUTH not offered
@@ -502,9 +506,14 @@ def _validate(cfg: Config) -> None:
     _check("listen.address", lambda a: split_host_port(a, min_port=0), listen.address)
     for i, network in enumerate(listen.mynetworks):
         _check(f"listen.mynetworks[{i}]", _check_network, network)
+    for i, network in enumerate(listen.client_limit_exceptions):
+        if network != "mynetworks":
+            _check(f"listen.client_limit_exceptions[{i}]", _check_network, network)
     if bool(listen.tls_cert) != bool(listen.tls_key):
         missing, given = ("tls_key", "tls_cert") if listen.tls_cert else ("tls_cert", "tls_key")
         raise ConfigError(f"listen.{missing}: required when listen.{given} is set")
+    if listen.max_line_length < 998:
+        raise ConfigError("listen.max_line_length: must be at least 998 (RFC 5322 2.1.1)")
     if listen.auth_required and not listen.auth_file:
         raise ConfigError("listen.auth_required: needs listen.auth_file")
     positive = {

@@ -35,6 +35,7 @@ from .metrics import Metrics, Sources
 from .metrics import serve as serve_metrics
 from .routing.resolver import Resolver
 from .sdnotify import Notifier
+from .smtp.addresses import qualified_hostname
 from .smtp.auth import Credentials, hash_password, load_auth_file
 from .smtp.listener import Listener, ListenerSettings
 from .smtp.server_session import SessionSettings
@@ -194,6 +195,8 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
+        if not qualified_hostname(self.hostname):
+            log.warning("hostname_unqualified", key="listen.hostname", hostname=self.hostname)
         log.info("ready", listen=listener.addresses, version=__version__, pid=os.getpid())
         notifier = Notifier()
         notifier.send(
@@ -333,19 +336,27 @@ class Daemon:
 
 def listener_settings(cfg: config.Config, hostname: str) -> ListenerSettings:
     host, port = config.split_host_port(cfg.listen.address, min_port=0)
+    exceptions = [
+        n
+        for entry in cfg.listen.client_limit_exceptions
+        for n in (cfg.listen.mynetworks if entry == "mynetworks" else [entry])
+    ]
     return ListenerSettings(
         host=host,
         port=port,
         mynetworks=tuple(ipaddress.ip_network(n, strict=False) for n in cfg.listen.mynetworks),
         max_connections=cfg.listen.max_connections,
         max_connections_per_client=cfg.listen.max_connections_per_client,
+        client_limit_exceptions=tuple(ipaddress.ip_network(n, strict=False) for n in exceptions),
         command_timeout=cfg.listen.command_timeout,
         data_timeout=cfg.listen.data_timeout,
+        min_data_rate=cfg.listen.min_data_rate,
         session=SessionSettings(
             hostname=hostname,
             max_message_size=cfg.listen.max_message_size,
             max_recipients=cfg.listen.max_recipients,
             bare_newline=cfg.listen.bare_newline,
+            max_line_length=cfg.listen.max_line_length,
             tls_available=bool(cfg.listen.tls_cert),
             auth_available=bool(cfg.listen.auth_file),
             auth_required=cfg.listen.auth_required,

@@ -59,7 +59,12 @@ def prepare(
     for name, raw in fields:
         if name in ours_names:
             value = raw.partition(b":")[2].replace(b"\r\n", b"")  # unfold
-            ours[name] = value.decode("utf-8", "replace").strip()
+            try:
+                ours[name] = value.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                # Not "replace": two different keys (or tenants) must not become one.
+                field = raw.partition(b":")[0].strip().decode("ascii", "replace")
+                raise Refused(f"554 5.6.0 {field} is not valid UTF-8") from None
             continue
         has_message_id = has_message_id or name == b"message-id"
         has_date = has_date or name == b"date"
@@ -156,7 +161,7 @@ def _received(submit: Submit, received: Received, hostname: str, rcpt: tuple) ->
         f"Received: from {helo} ([{received.client}])\r\n\tby {hostname} (mtaqueue) with {proto}"
         f" id {received.queue_id}{target}; {formatdate(received.now, localtime=True)}"
     )
-    return text.encode("utf-8", "surrogateescape")
+    return text.encode()  # every part is valid UTF-8: the session refuses anything else
 
 
 def _unique(recipients):

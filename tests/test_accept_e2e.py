@@ -141,6 +141,23 @@ def test_bad_addresses_get_501(daemon):
             assert code == 501, (bad, reply)
 
 
+def test_xtext_that_is_not_utf8_gets_501_and_the_spool_goes_on(daemon):
+    # ENVID=+FF once decoded to a lone surrogate: 250 to MAIL, then the spool wedged
+    # (no reply after any final dot, ever) and SIGTERM never finished.
+    with daemon.smtp() as client:
+        code, reply = client.docmd("MAIL FROM:<a@sender.test> ENVID=+FF")
+        assert code == 501 and reply.startswith(b"5.5.4"), reply
+        assert client.mail("a@sender.test")[0] == 250
+        code, reply = client.docmd("RCPT TO:<b@x.test> ORCPT=rfc822;x+F9+EF")
+        assert code == 501 and reply.startswith(b"5.5.4"), reply
+        assert client.rcpt("b@x.test")[0] == 250
+        code, reply = client.data(BODY)
+        assert code == 250, reply
+    queue_id = daemon.send("a@sender.test", ["c@x.test"], BODY, mail_options=["ENVID=+C3+A9"])
+    assert daemon.messages()[queue_id]["envid"] == "é"
+    assert daemon.stop() == 0
+
+
 def test_smuggling_never_makes_two_messages(daemon):
     for ending in (b"\n.\n", b"\r.\r", b"\n.\r\n", b"\r\n.\n"):
         payload = (

@@ -13,6 +13,7 @@ from mtaqueue.smtp.addresses import (
     check_domain,
     check_mailbox,
     domain_of,
+    qualified_hostname,
     split_path,
     xtext_decode,
     xtext_encode,
@@ -199,6 +200,11 @@ def test_xtext_decode(encoded, decoded):
         "tab\there",
         "é",
         "a+2B=",
+        "+FF",  # escapes must spell UTF-8: no lone surrogates for the spool to choke on
+        "x+F9+EF",
+        "+C3",  # truncated sequence
+        "+ED+A0+80",  # an encoded surrogate
+        "+C0+AF",  # overlong
     ],
 )
 def test_xtext_decode_refuses(bad):
@@ -236,7 +242,34 @@ def test_xtext_round_trip_any_text(text):
 
 @given(st.lists(st.one_of(st.sampled_from(list(_XTEXT_CHARS)), st.integers(0, 255))))
 def test_xtext_decode_then_encode_is_canonical(parts):
-    # Any valid xtext decodes, and re-encoding the decoded text decodes to the same.
+    # Any xtext whose escapes spell UTF-8 decodes to a str that encodes (the journal
+    # needs that), and re-encoding it decodes to the same; any other is refused.
     encoded = "".join(p if isinstance(p, str) else f"+{p:02X}" for p in parts)
-    decoded = xtext_decode(encoded)  # "+XX" are UTF-8 octets (undecodable ones kept as is)
+    octets = bytes(ord(p) if isinstance(p, str) else p for p in parts)
+    try:
+        octets.decode("utf-8")
+    except UnicodeDecodeError:
+        with pytest.raises(AddressError):
+            xtext_decode(encoded)
+        return
+    decoded = xtext_decode(encoded)
+    decoded.encode("utf-8")
     assert xtext_decode(xtext_encode(decoded)) == decoded
+
+
+@pytest.mark.parametrize(
+    ("name", "qualified"),
+    [
+        ("mx.example.com", True),
+        ("mx.test", True),
+        ("MX.Example.COM.", True),
+        ("localhost", False),
+        ("LOCALHOST", False),
+        ("localhost.localdomain", False),
+        ("mailhost", False),  # what getfqdn() gives when the host has no domain
+        ("box.localdomain", False),
+        ("localhost.", False),
+    ],
+)
+def test_qualified_hostname(name, qualified):
+    assert qualified_hostname(name) is qualified

@@ -19,6 +19,7 @@ from mtaqueue.config import (
     parse_size,
     split_host_port,
 )
+from mtaqueue.daemon import listener_settings
 
 SHIPPED = Path(__file__).resolve().parent.parent / "conf" / "mtaqueue.toml"
 
@@ -264,6 +265,10 @@ def test_file_errors_name_the_key(tmp_path: Path, text: str, message: str) -> No
         ("listen.tls_cert=cert.pem", "listen.tls_key: required when listen.tls_cert is set"),
         ("listen.auth_required=true", "listen.auth_required: needs listen.auth_file"),
         ("listen.command_timeout=0", "listen.command_timeout: must be more than 0s"),
+        (
+            "listen.max_line_length=500",
+            "listen.max_line_length: must be at least 998 (RFC 5322 2.1.1)",
+        ),
         ("spool.path=", "spool.path: must not be empty"),
         ("override", "override 'override': expected SECTION.KEY=VALUE"),
         ("listen=1", "override 'listen=1': expected SECTION.KEY=VALUE"),
@@ -282,6 +287,10 @@ def test_override_errors_name_the_key(override: str, message: str) -> None:
         ("listen.address=::1:25", "listen.address: invalid address"),
         ("listen.address=host name:25", "listen.address: invalid host"),
         ('listen.mynetworks=["10.0.0.0/33"]', "listen.mynetworks[0]: invalid network"),
+        (
+            'listen.client_limit_exceptions=["mynetworks", "localhost"]',
+            "listen.client_limit_exceptions[1]: invalid network",
+        ),
         ('dns.nameservers=["127.0.0.1", "ns.example"]', "dns.nameservers[1]: invalid nameserver"),
         ("metrics.address=localhost", "metrics.address: missing port"),
         ("delivery.relayhost=[smtp.example.net", "delivery.relayhost: invalid address"),
@@ -292,6 +301,28 @@ def test_override_errors_name_the_key(override: str, message: str) -> None:
 )
 def test_address_errors_name_the_key(override: str, prefix: str) -> None:
     assert config_error(override).startswith(prefix)
+
+
+def test_client_limit_exceptions_default_to_mynetworks() -> None:
+    # The per-client cap spares the local apps of mynetworks, as Postfix's
+    # smtpd_client_event_limit_exceptions = $mynetworks does.
+    cfg = load(None, ['listen.mynetworks=["10.1.0.0/16", "::1"]'])
+    assert cfg.listen.client_limit_exceptions == ["mynetworks"]
+    settings = listener_settings(cfg, "mx.test")
+    assert [str(n) for n in settings.client_limit_exceptions] == ["10.1.0.0/16", "::1/128"]
+    cfg = load(None, ['listen.client_limit_exceptions=["192.0.2.0/24", "mynetworks"]'])
+    settings = listener_settings(cfg, "mx.test")
+    assert [str(n) for n in settings.client_limit_exceptions] == [
+        "192.0.2.0/24",
+        "127.0.0.0/8",
+        "::1/128",
+    ]
+    assert (
+        listener_settings(
+            load(None, ["listen.client_limit_exceptions=[]"]), "x"
+        ).client_limit_exceptions
+        == ()
+    )
 
 
 def test_missing_file() -> None:

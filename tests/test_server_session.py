@@ -17,6 +17,7 @@ from mtaqueue.smtp.server_session import (
     SessionSettings,
     StartTLS,
     Submit,
+    _has_line_over,
 )
 
 HOST = "mx.test"
@@ -535,6 +536,23 @@ def test_envid_invalid_xtext():
     assert mail(ready(), b"<a@b.example> ENVID=a+2b")[0].startswith("501 5.5.4")
 
 
+@pytest.mark.parametrize("value", [b"+FF", b"a+C3", b"+ED+A0+80", b"+C0+AF"])
+def test_envid_that_is_not_utf8_is_refused(value):
+    # Kept as lone surrogates, it once made a record the spool could not encode.
+    session = ready()
+    replies = mail(session, b"<a@sender.test> ENVID=" + value)
+    assert replies == ["501 5.5.4 Error: ENVID is not valid xtext: xtext does not decode to UTF-8"]
+    assert session.envelope is None
+    assert mail(session, b"<a@sender.test> ENVID=+C3+A9") == ["250 2.1.0 Ok"]  # UTF-8 "é"
+    assert session.envelope.envid == "é"
+
+
+@pytest.mark.parametrize("value", ["²", "1²", "\u0661\u0660"])  # the last: Arabic-Indic 10
+def test_size_must_be_ascii_digits(value):
+    # str.isdigit() says yes to "²", which int() refuses: that was an internal error.
+    assert mail(ready(), b"<a@b.example> SIZE=" + value.encode())[0].startswith("501 5.5.4")
+
+
 def test_auth_param_is_ignored():
     assert mail(ready(), b"<a@b.example> AUTH=<>") == ["250 2.1.0 Ok"]
 
@@ -593,6 +611,26 @@ def test_orcpt_is_xtext_decoded():
 @pytest.mark.parametrize("value", [b"rfc822;a+2bb@x", b"rfc822;a=b@x", b"rfc822", b";a@x"])
 def test_orcpt_invalid(value):
     assert rcpt(b"<c@d.example> ORCPT=" + value)[0].startswith("501 5.5.4")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"rfc822;x+F9+EF",  # not UTF-8 once decoded
+        b"x;;.+F9+EF",  # what the fuzzer found
+        b"\xff;a@x.example",  # the addr-type must be an atom, not any bytes
+        "rfc822\u00e9;a@x.example".encode(),
+    ],
+)
+def test_orcpt_that_is_not_an_atom_and_utf8_is_refused(value):
+    session = ready()
+    send(session, b"MAIL FROM:<a@sender.test>\r\n")
+    _, replies = send(session, b"RCPT TO:<b@x.test> ORCPT=" + value + b"\r\n")
+    assert len(replies) == 1 and replies[0].startswith("501 5.5.4"), replies
+    assert session.envelope is not None and session.envelope.recipients == []
+    _, replies = send(session, b"RCPT TO:<b@x.test> ORCPT=utf-8;b+40x.test\r\n")
+    assert replies == ["250 2.1.5 Ok"]
+    assert session.envelope.recipients[0].orcpt == "utf-8;b@x.test"
 
 
 def test_unknown_rcpt_param():
@@ -847,15 +885,33 @@ def test_command_line_just_under_the_limit_works():
     assert replies == ["250 2.0.0 Ok", "500 5.5.2 Error: command line too long"]
 
 
-def test_body_line_over_998_characters():
-    session = ready()
-    action, replies = send(session, ENVELOPE + b"a" * 999 + b"\r\n.\r\n")
+def test_lines_over_998_characters_are_accepted_up_to_max_line_length():
+    # swaks with 1001 recipients on one To: line, or minified HTML, once got 550 5.6.0
+    # (Postfix takes them; delivery folds headers and QP-encodes the body on the way out).
+    to = b"To: " + b", ".join(b"user%d@rcpt.example" % i for i in range(1001)) + b"\r\n"
+    html = b"<html>" + b"<p>minified</p>" * 10_000 + b"</html>\r\n"
+    content = to + b"Subject: long\r\n\r\n" + html
+    session = ready(max_message_size=1 << 20)
+    assert transaction(session, content).content == content
+    session = ready(max_line_length=2000)
+    exact = b"Subject: s\r\n\r\n" + b"a" * 2000 + b"\r\n"
+    assert transaction(session, exact).content == exact
+    session.resume(QUEUED)
+    assert lines(session) == [QUEUED]
+    action, replies = send(session, ENVELOPE + b"Subject: s\r\n\r\n" + b"a" * 2001 + b"\r\n.\r\n")
     assert action is None
-    assert replies[-1] == (
-        "550 5.6.0 Error: message has a line over 998 characters (RFC 5322 2.1.1)"
-    )
+    assert replies[-1] == "550 5.6.0 Error: message has a line over 2000 characters"
     assert session.envelope is None
-    assert transaction(session, b"b" * 998 + b"\r\n").content == b"b" * 998 + b"\r\n"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lines=st.lists(st.integers(0, 40), max_size=30),
+    limit=st.integers(1, 30),
+)
+def test_has_line_over_is_the_longest_line_test(lines, limit):
+    content = b"".join(b"x" * n + b"\r\n" for n in lines)
+    assert _has_line_over(content, limit) == (max(lines, default=0) > limit)
 
 
 def test_storage_not_ok_refuses_mail():
@@ -927,8 +983,86 @@ def test_smuggling_byte_by_byte(fake_end):
 
 def test_normalize_mode_turns_bare_newlines_into_crlf():
     session = ready()
-    submit = transaction(session, b"a\nb\rc\r\r\nd\n\r\n")
-    assert submit.content == b"a\r\nb\r\nc\r\n\r\nd\r\n\r\n"
+    submit = transaction(session, b"Subject: s\r\n\r\na\nb\rc\r\r\nd\n\r\n")
+    assert submit.content == b"Subject: s\r\n\r\na\r\nb\r\nc\r\n\r\nd\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("header", "stored"),
+    [
+        # Once read as a header of its own: a steering header injected through Subject.
+        (
+            b"Subject: hi\rX-Mtaqueue-Class: nosuch\r\n\r\n",
+            b"Subject: hi X-Mtaqueue-Class: nosuch\r\n\r\n",
+        ),
+        (
+            b"Subject: hi\nX-Mtaqueue-Class: p0\r\nFrom: a\r\n\r\n",
+            b"Subject: hi X-Mtaqueue-Class: p0\r\nFrom: a\r\n\r\n",
+        ),
+        (
+            b"From: a\r\nSubject: hi\r\rX-Evil: 1\n\r\n\r\n",
+            b"From: a\r\nSubject: hi  X-Evil: 1 \r\n\r\n",
+        ),
+        # CRLF elsewhere: the "\n\n" cannot end the header and make an LF-only client.
+        (
+            b"Subject: hi\nX-Mtaqueue-Class: p0\n\nFrom: a\r\n\r\n",
+            b"Subject: hi X-Mtaqueue-Class: p0  From: a\r\n\r\n",
+        ),
+        # A client that ends every line with a bare LF: those LFs end lines.
+        (
+            b"From: a\nSubject: hi\rX-Mtaqueue-Class: p0\n\n",
+            b"From: a\r\nSubject: hi X-Mtaqueue-Class: p0\r\n\r\n",
+        ),
+    ],
+)
+def test_bare_cr_or_lf_inside_a_header_line_is_a_space(header, stored):
+    session = ready()
+    submit = transaction(session, header + b"body\nend\r\n")
+    assert submit.content == stored + b"body\r\nend\r\n"
+
+
+_HEADER_BYTES = st.lists(
+    st.one_of(
+        st.binary(max_size=6),
+        st.sampled_from([b"\r", b"\n", b"\n\n", b"\r\r", b"X-Mtaqueue-Class: p0", b" ", b"."]),
+    ),
+    max_size=8,
+).map(lambda parts: b"".join(parts).replace(b"\r\n", b""))
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_HEADER_BYTES, first=st.booleans())
+def test_no_bytes_in_a_header_value_make_a_header_of_their_own(value, first):
+    # Whatever an application lets through into a header value (but CRLF itself),
+    # the stored header has no field the application did not start with CRLF.
+    fields = [b"Subject: " + value, b"From: a@sender.example", b"To: b@rcpt.example"]
+    if not first:
+        fields.reverse()
+    submit = transaction(ready(), dot_stuff(b"\r\n".join(fields) + b"\r\n\r\nbody\r\n"))
+    header = submit.content.split(b"\r\n\r\n", 1)[0]
+    starts = [line[:5] for line in header.split(b"\r\n") if line[:1] not in (b" ", b"\t")]
+    assert set(starts) <= {b"Subje", b"From:", b"To: b"}, submit.content
+
+
+def test_lf_only_client_is_dot_unstuffed_like_a_crlf_one():
+    # "\n..x" kept both dots: unstuffing looked for CRLF only.
+    submit = transaction(ready(), b"Subject: s\n\nline\n..x\n..\n...\r\n")
+    assert submit.content == b"Subject: s\r\n\r\nline\r\n.x\r\n.\r\n..\r\n"
+    submit = transaction(ready(), b"..first\nnext\n\n..body\r\n")  # dots in an LF header too
+    assert submit.content == b".first\r\nnext\r\n\r\n.body\r\n"
+    submit = transaction(ready(), b"Subject: s\r\n\r\nbare\r..cr\n..lf\r\n..crlf\r\n")
+    assert submit.content == b"Subject: s\r\n\r\nbare\r\n.cr\r\n.lf\r\n.crlf\r\n"
+
+
+def test_nul_is_refused_in_reject_mode_and_kept_in_normalize_mode():
+    content = b"Subject: s\r\n\r\nnul\0here\r\n"
+    session = ready(bare_newline="reject")
+    action, replies = send(session, ENVELOPE + content + b".\r\n")
+    assert action is None
+    assert replies[-1] == "550 5.6.0 Error: NUL character in message content (RFC 5322 2.3)"
+    assert session.envelope is None
+    assert transaction(session, b"clean\r\n").content == b"clean\r\n"
+    assert transaction(ready(), content).content == content
 
 
 @pytest.mark.parametrize("fake_end", FAKE_ENDS, ids=repr)
@@ -1126,6 +1260,9 @@ def test_auth_login_cancelled_at_password():
         b"AUTH LOGIN\r\n" + b64("carol") + b"\r\nnot base64!\r\n",
         b"AUTH PLAIN " + b64("only-two\0parts") + b"\r\n",
         b"AUTH PLAIN " + b64("\0\0pw") + b"\r\n",  # empty user
+        "AUTH PLAIN é\r\n".encode(),  # not ASCII: base64 raised ValueError
+        b"AUTH PLAIN \xff\r\n",
+        b"AUTH LOGIN\r\n\xc3\xa9\r\n",
     ],
 )
 def test_auth_bad_data(exchange):

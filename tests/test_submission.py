@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import base64
 from email.utils import parsedate_to_datetime
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtaqueue.model import Recipient
-from mtaqueue.smtp.server_session import Envelope, Submit
+from mtaqueue.smtp.server_session import (
+    CheckCredentials,
+    Envelope,
+    ServerSession,
+    SessionSettings,
+    Submit,
+)
 from mtaqueue.submission import MAX_KEY_LENGTH, Received, Refused, SubmissionSettings, prepare
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
@@ -415,3 +425,79 @@ def test_tenant_header_names_the_tenant_and_is_removed():
     # Without the setting the header is ordinary content.
     message, stored = prepare(submit(content), RECEIVED, SETTINGS)
     assert message.tenant is None and b"X-Tenant: shop-7" in stored
+
+
+@pytest.mark.parametrize(
+    "name", [b"X-Mtaqueue-Idempotency-Key", b"X-Mtaqueue-Class", b"X-Mtaqueue-Expires", b"X-Tenant"]
+)
+def test_submission_header_that_is_not_utf8_is_refused(name):
+    # Decoding with "replace" made the keys b"\xff" and b"\xfe" one key: the second
+    # message got 250 as a "duplicate" of the first and was never queued.
+    with_tenant = SubmissionSettings("mx.test", ("p1",), "p1", tenant_header=b"x-tenant")
+    content = name + b": k\xff\r\nSubject: s\r\n\r\nbody\r\n"
+    with pytest.raises(Refused) as info:
+        prepare(submit(content), RECEIVED, with_tenant)
+    assert str(info.value) == f"554 5.6.0 {name.decode()} is not valid UTF-8"
+
+
+# -- whatever a client sends, the record encodes -------------------------------------
+
+_NOISE = st.binary(max_size=8).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+_ESCAPES = st.lists(st.integers(0, 255), min_size=1, max_size=3).map(
+    lambda octets: b"".join(b"+%02X" % o for o in octets)
+)
+_WORDS = st.sampled_from([b"a", b"@", b"x.test", b";", b"rfc822", b"utf-8", "é".encode(), b"\\"])
+_FIELD = st.lists(st.one_of(_NOISE, _ESCAPES, _WORDS), max_size=5).map(b"".join)
+_B64 = st.lists(st.one_of(_NOISE, _WORDS), max_size=3).map(
+    lambda parts: base64.b64encode(b"\0" + b"".join(parts) + b"\0pw")
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    helo=_FIELD,
+    user=_B64,
+    sender=_FIELD,
+    envid=_FIELD,
+    orcpt=st.tuples(_FIELD, _FIELD),
+    rcpt=_FIELD,
+    header=_FIELD,
+    utf8=st.booleans(),
+)
+def test_nothing_a_client_sends_makes_a_record_that_cannot_be_encoded(
+    helo, user, sender, envid, orcpt, rcpt, header, utf8
+):
+    # A str that msgspec cannot encode (a lone surrogate from undecodable bytes) once
+    # wedged the spool writer: every field of the record must encode.
+    utf8_param = b" SMTPUTF8" if utf8 else b""
+    wire = (
+        b"EHLO " + helo + b"\r\nAUTH PLAIN " + user + b"\r\n"
+        b"MAIL FROM:<" + sender + b">" + utf8_param + b"\r\n"
+        b"RCPT TO:<b@x.test>\r\nDATA\r\nX-Tenant: " + header + b"\r\n\r\nbody\r\n.\r\n"
+        b"MAIL FROM:<a@sender.test> ENVID=" + envid + utf8_param + b"\r\n"
+        b"RCPT TO:<b@x.test> ORCPT=" + orcpt[0] + b";" + orcpt[1] + b"\r\n"
+        b"RCPT TO:<" + rcpt + b"@x.test>\r\n"
+        b"DATA\r\nX-Mtaqueue-Idempotency-Key: " + header + b"\r\n\r\nbody\r\n.\r\n"
+    )
+    session = ServerSession(
+        SessionSettings("mx.test", 100_000, 100, tls_available=True, auth_available=True),
+        may_relay=True,
+    )
+    session.receive(b"EHLO c\r\nSTARTTLS\r\n")
+    session.resume(True)
+    with_tenant = SubmissionSettings("mx.test", ("p1",), "p1", tenant_header=b"x-tenant")
+    action = session.receive(wire)
+    while action is not None:
+        if isinstance(action, CheckCredentials):
+            action = session.resume(action.user)  # any user the client names is "right"
+            continue
+        assert isinstance(action, Submit)
+        try:
+            message, _ = prepare(action, RECEIVED, with_tenant)
+        except Refused:
+            pass
+        else:
+            msgspec.msgpack.encode(message)
+            msgspec.json.encode(message)
+        action = session.resume("250 2.0.0 Ok: queued as X")
+    session.take_output()

@@ -16,6 +16,7 @@ MAX_PATH = 256
 # atext of RFC 5322 3.2.3; with SMTPUTF8 any non-ASCII character is allowed too.
 _ATEXT = r"A-Za-z0-9!#$%&'*+/=?^_`{|}~\-"
 _UTF8 = "\u0080-\ud7ff\ue000-\U0010ffff"  # any non-ASCII character but lone surrogates
+ATOM = re.compile(rf"[{_ATEXT}]+\Z")  # RFC 5322 atom, e.g. an ORCPT addr-type
 _DOT_STRING = re.compile(rf"[{_ATEXT}]+(\.[{_ATEXT}]+)*\Z")
 _DOT_STRING_UTF8 = re.compile(rf"[{_ATEXT}{_UTF8}]+(\.[{_ATEXT}{_UTF8}]+)*\Z")
 _QUOTED = re.compile(r'"([\x20\x21\x23-\x5b\x5d-\x7e]|\\[\x20-\x7e])*"\Z')
@@ -110,12 +111,23 @@ def _check_address_literal(domain: str) -> None:
         raise AddressError(f"invalid address literal {domain!r}") from None
 
 
+def qualified_hostname(name: str) -> bool:
+    """Can other hosts know us by `name`? Not "localhost" or a name without a dot, as
+    getfqdn() gives on many hosts: EHLO, Received and MAILER-DAEMON would say so."""
+    name = name.lower().rstrip(".")
+    return "." in name and name.split(".")[0] != "localhost" and not name.endswith(".localdomain")
+
+
 def domain_of(address: str) -> str:
     return address[address.rfind("@") + 1 :].lower()
 
 
 def xtext_decode(text: str) -> str:
-    """Decode RFC 3461 xtext ("+XX" escapes of UTF-8 octets); raise AddressError if malformed."""
+    """Decode RFC 3461 xtext ("+XX" escapes of UTF-8 octets); raise AddressError if malformed.
+
+    Octets that are not UTF-8 are refused, not kept as lone surrogates: such a str cannot
+    be encoded (msgspec, the journal, the log) and would fail far from the client.
+    """
     if "+" not in text:
         if not _xtext_chars_ok(text):
             raise AddressError("invalid xtext")
@@ -135,13 +147,16 @@ def xtext_decode(text: str) -> str:
                 raise AddressError("invalid xtext")
             out.append(ord(ch))
             i += 1
-    return out.decode("utf-8", "surrogateescape")
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError:
+        raise AddressError("xtext does not decode to UTF-8") from None
 
 
 def xtext_encode(text: str) -> str:
     return "".join(
         chr(b) if 0x21 <= b <= 0x7E and b not in b"+=" else f"+{b:02X}"
-        for b in text.encode("utf-8", "surrogateescape")
+        for b in text.encode("utf-8")
     )
 
 

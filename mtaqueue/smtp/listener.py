@@ -33,8 +33,10 @@ class ListenerSettings:
     mynetworks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     max_connections: int
     max_connections_per_client: int
+    client_limit_exceptions: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     command_timeout: float
     data_timeout: float
+    min_data_rate: int
     session: SessionSettings
     submission: SubmissionSettings
 
@@ -70,7 +72,7 @@ class Listener:
             reuse_address=True,
             backlog=1024,
         )
-        self._sweeper = asyncio.create_task(self._sweep_idle())
+        self._sweeper = asyncio.create_task(self._sweep_deadlines())
 
     def reconfigure(self, settings: ListenerSettings) -> None:
         """New limits for new sessions (the address is fixed until restart)."""
@@ -82,11 +84,13 @@ class Listener:
         return [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in self._server.sockets]
 
     def may_relay(self, client: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(client)
-        except ValueError:
-            return False
-        return any(ip in net for net in self.settings.mynetworks)
+        return _in(client, self.settings.mynetworks)
+
+    def over_client_limit(self, client: str) -> bool:
+        settings = self.settings
+        return self.per_client[client] >= settings.max_connections_per_client and not _in(
+            client, settings.client_limit_exceptions
+        )
 
     async def close(self, grace: float) -> None:
         """Stop accepting; let sessions in the middle of a message finish, up to `grace`."""
@@ -103,13 +107,21 @@ class Listener:
         if self._sweeper is not None:
             self._sweeper.cancel()
 
-    async def _sweep_idle(self) -> None:
+    async def _sweep_deadlines(self) -> None:
         # One periodic pass instead of a timer per connection: cheaper per read.
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for conn in list(self.connections):
-                conn.check_idle(now)
+                conn.check_deadline(now)
+
+
+def _in(client: str, networks) -> bool:
+    try:
+        ip = ipaddress.ip_address(client)
+    except ValueError:
+        return False
+    return any(ip in net for net in networks)
 
 
 class SubmissionProtocol(asyncio.Protocol):
@@ -118,8 +130,11 @@ class SubmissionProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.session: ServerSession | None = None
         self.client = ""
-        self.last_activity = time.monotonic()
+        # When the command line (or the DATA transfer) in progress must be done by.
+        self.deadline = time.monotonic() + listener.settings.command_timeout
         self._waiting = False
+        self._write_paused = False  # our replies pile up: the client does not read them
+        self._reading = True
         self._starting_tls = False
         self._tls_task: asyncio.Future | None = None
         self._tls = False
@@ -136,7 +151,7 @@ class SubmissionProtocol(asyncio.Protocol):
         if len(listener.connections) >= settings.max_connections:
             self._refuse(f"421 4.7.0 {hostname} Error: too many connections, try again later")
             return
-        if listener.per_client[self.client] >= settings.max_connections_per_client:
+        if listener.over_client_limit(self.client):
             self._refuse(f"421 4.7.0 {hostname} Error: too many connections from your address")
             return
         listener.connections.add(self)
@@ -159,23 +174,41 @@ class SubmissionProtocol(asyncio.Protocol):
         self.transport = None
 
     def data_received(self, data: bytes) -> None:
-        self.last_activity = time.monotonic()
         session = self.session
         if session is None or self._starting_tls:
             return  # clear text sent before the TLS handshake is never executed
+        now = time.monotonic()
+        in_data, completed = session.in_data, session.completed
         try:
-            self._continue(session.receive(data))
+            action = session.receive(data)
+            if session.completed != completed:
+                self._restart_deadline(now)
+            elif in_data:
+                # Postfix's smtpd_min_data_rate: each read earns len/min_data_rate seconds,
+                # never more than data_timeout ahead. A stalled or trickling client runs
+                # out; one that keeps the rate can send a message of any allowed size.
+                settings = self.listener.settings
+                earned = self.deadline + len(data) / settings.min_data_rate
+                self.deadline = min(earned, now + settings.data_timeout)
+            self._continue(action)
         except Exception:  # a bug must cost one session a clear reply, not hang it
             log.exception("session_failed", client=self.client)
             if self.transport is not None:
                 self.transport.write(b"421 4.3.0 Internal error, try again later\r\n")
                 self.transport.close()
             return
-        if self._waiting and session.buffered > MAX_PIPELINED and self.transport is not None:
-            self.transport.pause_reading()
+        self._update_reading()
 
     def eof_received(self) -> bool | None:
         return False  # close our side too
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._update_reading()
 
     # -- driving the session -------------------------------------------------------
 
@@ -206,7 +239,8 @@ class SubmissionProtocol(asyncio.Protocol):
         self._waiting = False
         if self.session is None or self.transport is None:
             return
-        self.transport.resume_reading()
+        self._restart_deadline(time.monotonic())  # the client waited for us, not we for it
+        self._update_reading()
         self._continue(self.session.resume(outcome))
 
     def _submit(self, submit: Submit) -> None:
@@ -289,15 +323,33 @@ class SubmissionProtocol(asyncio.Protocol):
 
     # -- limits ----------------------------------------------------------------------
 
-    def check_idle(self, now: float) -> None:
-        session = self.session
-        if session is None or self._waiting:
-            return
+    def _restart_deadline(self, now: float) -> None:
         settings = self.listener.settings
-        limit = settings.data_timeout if session.in_data else settings.command_timeout
-        if now - self.last_activity > limit:
-            session.timeout()
-            self._continue(None)
+        in_data = self.session is not None and self.session.in_data
+        self.deadline = now + (settings.data_timeout if in_data else settings.command_timeout)
+
+    def _update_reading(self) -> None:
+        """Read only while the client reads our replies and a pending commit has room:
+        a client pipelining commands without reading must not grow our buffers."""
+        session, transport = self.session, self.transport
+        if session is None or transport is None:
+            return
+        backlog = self._waiting and session.buffered > MAX_PIPELINED
+        reading = not (self._write_paused or backlog)
+        if reading != self._reading:
+            self._reading = reading
+            (transport.resume_reading if reading else transport.pause_reading)()
+
+    def check_deadline(self, now: float) -> None:
+        session = self.session
+        if session is None or self._waiting or now <= self.deadline:
+            return
+        if session.closed or self._write_paused:
+            self.abort()  # it reads nothing we write: a 421 would only wait in a buffer
+            return
+        log.info("session_timeout", client=self.client, in_data=session.in_data)
+        session.timeout()
+        self._continue(None)
 
     def drain(self) -> None:
         """Daemon is stopping: end idle sessions now, busy ones after their message."""

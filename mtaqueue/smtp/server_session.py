@@ -14,18 +14,19 @@ anyway. aiosmtpd still serves as the test and benchmark peers.
 from __future__ import annotations
 
 import base64
-import binascii
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..model import Recipient
-from .addresses import AddressError, check_mailbox, split_path, xtext_decode
+from .addresses import ATOM, AddressError, check_mailbox, split_path, xtext_decode
 
 MAX_COMMAND_LINE = 2048  # RFC 5321 allows 512, plus room for DSN parameters
 MAX_ERRORS = 20  # replies with an error before we hang up on a confused client
-MAX_LINE = 998  # RFC 5322 2.1.1, without the CRLF
 _BARE_NEWLINE = re.compile(rb"\r(?!\n)|(?<!\r)\n")
+_LINE_START_DOT = re.compile(rb"(\r\n|\r|\n)\.")  # a dot after any line ending
+_EMPTY_LINE_LF = re.compile(rb"(\A|\n)\r?\n")  # the header's end, lines ending in LF or CRLF
+_EMPTY_LINE_CRLF = re.compile(rb"(\A|\r\n)\r\n")  # the header's end, lines ending in CRLF
 _NOTIFY_VALUES = frozenset({"SUCCESS", "FAILURE", "DELAY"})
 _OVERLONG = "\x00overlong"  # _take_line's marker for a line that was too long
 
@@ -36,6 +37,7 @@ class SessionSettings:
     max_message_size: int
     max_recipients: int
     bare_newline: str = "normalize"  # or "reject"
+    max_line_length: int = 1 << 20  # listen.max_line_length, octets without the CRLF
     tls_available: bool = False
     auth_available: bool = False
     auth_required: bool = False
@@ -100,6 +102,9 @@ class ServerSession:
         self.esmtp = False
         self.envelope: Envelope | None = None
         self.closed = False
+        # Command lines and messages read so far: the listener's deadline restarts when
+        # this moves, so a client must finish each one in time, not merely send a byte.
+        self.completed = 0
         self._state = _COMMAND
         self._buf = bytearray()
         self._out: list[str] = []
@@ -182,10 +187,12 @@ class ServerSession:
             if self._state == _DATA:
                 if not self._take_data():
                     return None
+                self.completed += 1
                 continue
             line = self._take_line()
             if line is None:
                 return None
+            self.completed += 1
             if line is _OVERLONG:
                 self._error("500 5.5.2 Error: command line too long")
             elif self._state == _COMMAND:
@@ -230,34 +237,43 @@ class ServerSession:
                 self._data_scan = 0
             return False
         self._buf[:0] = data[end + 5 :]
-        # `data` starts with a CRLF sentinel so that the terminator and the
-        # dot-unstuffing need no special case on the first line.
-        content = bytes(data[: end + 2]).replace(b"\r\n.", b"\r\n")[2:]
+        # `data` starts with a CRLF sentinel so that the terminator needs no special case
+        # on the first line; the content is what lies between it and the final ".\r\n".
+        stuffed = bytes(data[: end + 2])
         self._data = bytearray()
         self._data_scan = 0
         overflow, self._data_overflow = self._data_overflow, False
         self._state = _COMMAND
-        self._finish_data(content, overflow)
+        self._finish_data(stuffed, overflow)
         return True
 
-    def _finish_data(self, content: bytes, overflow: bool) -> None:
+    def _finish_data(self, stuffed: bytes, overflow: bool) -> None:
         envelope = self.envelope
         assert envelope is not None
-        if overflow or len(content) > self.settings.max_message_size:
-            self.envelope = None
-            self._error("552 5.3.4 Error: message too big for system")
-            return
-        if not content.count(b"\n") == content.count(b"\r\n") == content.count(b"\r"):
-            if self.settings.bare_newline == "reject":
-                self.envelope = None
-                self._error(
-                    "550 5.6.0 Error: bare <CR> or <LF> in message content (RFC 5321 2.3.8)"
+        settings = self.settings
+        if overflow:
+            refusal = "552 5.3.4 Error: message too big for system"
+        elif stuffed.count(b"\n") == stuffed.count(b"\r\n") == stuffed.count(b"\r"):
+            refusal = None
+            content = stuffed.replace(b"\r\n.", b"\r\n")[2:]  # CRLF only: the fast path
+        elif settings.bare_newline == "reject":
+            refusal = "550 5.6.0 Error: bare <CR> or <LF> in message content (RFC 5321 2.3.8)"
+        else:
+            refusal = None
+            content = _normalize(stuffed[2:])
+        if refusal is None:
+            if len(content) > settings.max_message_size:
+                refusal = "552 5.3.4 Error: message too big for system"
+            elif settings.bare_newline == "reject" and b"\0" in content:
+                refusal = "550 5.6.0 Error: NUL character in message content (RFC 5322 2.3)"
+            elif _has_line_over(content, settings.max_line_length):
+                refusal = (
+                    f"550 5.6.0 Error: message has a line over {settings.max_line_length}"
+                    " characters"
                 )
-                return
-            content = _BARE_NEWLINE.sub(b"\r\n", content)
-        if len(content) > MAX_LINE and max(map(len, content.split(b"\r\n"))) > MAX_LINE:
+        if refusal is not None:
             self.envelope = None
-            self._error("550 5.6.0 Error: message has a line over 998 characters (RFC 5322 2.1.1)")
+            self._error(refusal)
             return
         self._wait(Submit(envelope, content, self.helo, self.esmtp, self.user))
 
@@ -328,7 +344,7 @@ class ServerSession:
             raise _ParamError("555 5.5.4 Error: parameters need EHLO")
         for key, value in _params(params):
             if key == "SIZE":
-                if not value.isdigit():
+                if not (value.isascii() and value.isdigit()):  # not "²", which int() refuses
                     raise _ParamError("501 5.5.4 Error: bad SIZE value")
                 if int(value) > self.settings.max_message_size:
                     raise _ParamError("552 5.3.4 Error: message size exceeds fixed limit")
@@ -350,8 +366,8 @@ class ServerSession:
                     raise _ParamError("501 5.5.4 Error: ENVID needs a value")
                 try:
                     envid = xtext_decode(value)
-                except AddressError:
-                    raise _ParamError("501 5.5.4 Error: ENVID is not valid xtext") from None
+                except AddressError as exc:
+                    raise _ParamError(f"501 5.5.4 Error: ENVID is not valid xtext: {exc}") from None
                 if len(envid) > 100:
                     raise _ParamError("501 5.5.4 Error: ENVID longer than 100 characters")
                 envelope.envid = envid  # RFC 3461 4.4: kept exactly, case included
@@ -406,12 +422,12 @@ class ServerSession:
                 notify = ",".join(words)
             elif key == "ORCPT":
                 addr_type, semi, xtext = value.partition(";")
-                if not semi or not addr_type or not xtext:
+                if not semi or not ATOM.match(addr_type) or not xtext:
                     raise _ParamError("501 5.5.4 Error: ORCPT must be addr-type;address")
                 try:
                     orcpt = f"{addr_type};{xtext_decode(xtext)}"
-                except AddressError:
-                    raise _ParamError("501 5.5.4 Error: ORCPT is not valid xtext") from None
+                except AddressError as exc:
+                    raise _ParamError(f"501 5.5.4 Error: ORCPT is not valid xtext: {exc}") from None
                 if len(value) > 500:
                     raise _ParamError("501 5.5.4 Error: ORCPT longer than 500 characters")
             else:
@@ -566,10 +582,43 @@ def _params(text: str):
         yield key.upper(), value
 
 
+def _normalize(raw: bytes) -> bytes:
+    """bare_newline = "normalize": make CRLF lines of dot-stuffed data with bare CR or LF.
+
+    In the body a bare CR or LF ends a line, as the client meant it. In the header only
+    an LF-only client (no CRLF in its data but the one before the final dot) ends lines
+    with a bare LF; for any other a bare CR or LF is inside a header line and becomes a
+    space, as in Postfix, so "Subject: hi<CR>X-Mtaqueue-Class: p0" cannot inject a
+    header. Dot-unstuffing follows the same lines, whatever ends them.
+    """
+    crlf = b"\r\n" in raw[:-2]
+    end = (_EMPTY_LINE_CRLF if crlf else _EMPTY_LINE_LF).search(raw)
+    split = len(raw) if end is None else end.end(1)
+    header, body = raw[:split], raw[split:]  # the body starts with the empty line
+    if crlf:
+        header = _BARE_NEWLINE.sub(b" ", header)
+    else:
+        header = header.replace(b"\r\n", b"\n").replace(b"\r", b" ").replace(b"\n", b"\r\n")
+    header = (b"\r\n" + header).replace(b"\r\n.", b"\r\n")[2:]
+    return header + _BARE_NEWLINE.sub(b"\r\n", _LINE_START_DOT.sub(rb"\1", body))
+
+
+def _has_line_over(content: bytes, limit: int) -> bool:
+    """Does a line of CRLF-terminated `content` have more than `limit` octets before its CRLF?"""
+    start = 0
+    # Each step skips to the last line end within reach: a few steps for any message.
+    while len(content) - start > limit + 2:
+        newline = content.rfind(b"\n", start, start + limit + 2)
+        if newline < 0:
+            return True
+        start = newline + 1
+    return False
+
+
 def _b64(text: str) -> str | None:
     try:
         return base64.b64decode(text.strip(), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
+    except ValueError:  # not base64 (binascii.Error), not ASCII, or not UTF-8
         return None
 
 
