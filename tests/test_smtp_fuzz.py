@@ -2,9 +2,9 @@
 
 Each case is one client session of random or mutated input: commands and their
 parameters (xtext, ORCPT, ENVID, SIZE, NOTIFY, ...), addresses, message data, huge
-lines, NULs, invalid UTF-8, odd line endings, all pipelined in random chunks. Whatever
-a case does, the daemon must end its session once the client has half-closed, and a
-valid message sent right after must still get `250 ... queued as <ID>`: no input may
+lines, NULs, invalid UTF-8, odd line endings, all pipelined in random chunks, ended by
+QUIT or a bare EOF. Whatever a case does, the daemon must end that session in time, and
+a valid message sent right after must still get `250 ... queued as <ID>`: no input may
 wedge the listener or the spool. At the end SIGTERM must still stop the daemon, exit 0.
 
 CI runs a fixed, derandomized set of examples with no example database, so a failure
@@ -39,7 +39,7 @@ REPLY_TIMEOUT = 15.0  # seconds for any reply; a healthy daemon answers in milli
 GRACE = 3.0  # spool.shutdown_grace of the fuzzed daemon
 STOP_BOUND = GRACE + 15.0  # SIGTERM to exit, with room for a loaded machine
 MAX_MESSAGE = 65536  # small, so that the "too big" path is cheap to reach
-QUEUED = re.compile(rb"^250 2\.0\.0 Ok: queued as (\S+)\r\n", re.MULTILINE)
+QUEUED = re.compile(rb"^250 2\.0\.0 Ok: queued as \S+\r\n", re.MULTILINE)
 
 DAEMON_OVERRIDES = (
     f"listen.max_message_size={MAX_MESSAGE}",
@@ -291,11 +291,10 @@ def play(daemon, chunks: list[bytes], eof: bool) -> bytes:
                     sock.sendall(chunk)
                 if eof:
                     sock.shutdown(socket.SHUT_WR)
-            except (BrokenPipeError, ConnectionResetError, OSError) as exc:
-                if isinstance(exc, TimeoutError):
-                    raise
-                # The daemon hung up first (too many errors, a refusal): what it said
-                # before that is still to be read.
+            except TimeoutError:
+                raise
+            except OSError:
+                pass  # the daemon hung up first (too many errors): what it said is still to read
             while data := sock.recv(65536):
                 received += data
         except TimeoutError:
@@ -322,8 +321,8 @@ def _reply(sock: socket.socket, buffer: bytearray) -> bytes:
         buffer += data
 
 
-def healthy(daemon) -> str:
-    """A valid message, step by step: it must be accepted. Returns its queue id."""
+def healthy(daemon) -> None:
+    """A valid message, step by step: it must be accepted, with a queue id."""
     steps = [
         (None, b"220"),
         (b"EHLO health.test\r\n", b"250"),
@@ -345,9 +344,7 @@ def healthy(daemon) -> str:
                 ) from None
             assert reply.startswith(code), f"{line!r} got {reply!r}"
         sock.sendall(b"QUIT\r\n")
-    match = QUEUED.match(reply)
-    assert match, f"no queue id in {reply!r}"
-    return match[1].decode()
+    assert QUEUED.match(reply), f"no queue id in {reply!r}"
 
 
 def fuzz(daemon, strategy: st.SearchStrategy[tuple[list[bytes], bool]]) -> Counter[str]:
