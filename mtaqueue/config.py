@@ -611,6 +611,18 @@ def _read(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: TOML syntax error {detail}") from None
 
 
+SYSTEM_CONFIG = "/etc/mtaqueue/mtaqueue.toml"
+
+
+def default_path() -> str | None:
+    """The config file when none is named (-c): $MTAQUEUE_CONFIG, else SYSTEM_CONFIG if it
+    exists, else None: the built-in defaults. The daemon and mtaqueue-ctl both ask here, so
+    that they agree on the control socket."""
+    if env := os.environ.get("MTAQUEUE_CONFIG"):
+        return env
+    return SYSTEM_CONFIG if os.path.exists(SYSTEM_CONFIG) else None
+
+
 def load(path: str | None, overrides: Sequence[str] = ()) -> Config:
     """The configuration from the TOML file at `path` (None = defaults only), with each
     "SECTION.KEY=VALUE" override applied over it. Raises ConfigError."""

@@ -51,9 +51,21 @@ EXIT_RUNTIME = 1
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mtaqueue", description="Outbound mail queue daemon.")
-    parser.add_argument("-c", "--config", help="TOML config file (default: built-in defaults)")
     parser.add_argument(
-        "-o", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
+        "-c",
+        "--config",
+        metavar="FILE",
+        help=f"TOML config file (default: $MTAQUEUE_CONFIG, else {config.SYSTEM_CONFIG} if it"
+        " exists, else the built-in defaults, which conf/mtaqueue.toml lists)",
+    )
+    parser.add_argument(
+        "-o",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="set one config key over the file (repeatable); VALUE is read as TOML, else as"
+        " a string, e.g. -o listen.address=127.0.0.1:2600 -o 'delivery.relayhost=[127.0.0.1]:2526'",
     )
     parser.add_argument(
         "--hash-password",
@@ -65,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.hash_password:
         print(hash_password(sys.stdin.readline().rstrip("\n")))
         return 0
+    path = args.config or config.default_path()
     try:
-        cfg = config.load(args.config, args.overrides)
-        daemon = Daemon(cfg, lambda: config.load(args.config, args.overrides))
+        cfg = config.load(path, args.overrides)
+        daemon = Daemon(cfg, lambda: config.load(path, args.overrides), path)
     except config.ConfigError as exc:
         print(f"mtaqueue: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -76,9 +89,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class Daemon:
-    def __init__(self, cfg: config.Config, reload: Callable[[], config.Config]) -> None:
+    def __init__(
+        self, cfg: config.Config, reload: Callable[[], config.Config], path: str | None = None
+    ) -> None:
         self.cfg = cfg
         self._load = reload  # reads the config again (SIGHUP)
+        self.config_path = path  # None: the built-in defaults
         self.hostname = cfg.listen.hostname or socket.getfqdn()
         # Everything that can fail on bad settings is built here, before any I/O.
         self.listener_settings = listener_settings(cfg, self.hostname)
@@ -277,6 +293,7 @@ class Daemon:
         return {
             "version": __version__,
             "pid": os.getpid(),
+            "config": self.config_path or "built-in defaults",
             "uptime": round(time.time() - self.started, 1),
             "listen": listener.addresses if listener else [],
             "connections": len(listener.connections) if listener else 0,

@@ -1,9 +1,8 @@
 """Delivery status notifications: whether the sender asked for one (RFC 3461) and the
 notice itself, an RFC 3464 report in an RFC 6522 multipart/report.
 
-Pure: `now` is passed in and nothing is read or written. The caller queues the result from
-the null sender <> to `message.sender`, with BODY=8BITMIME when `is_8bit(dsn)` and SMTPUTF8
-when the sender address is not ASCII (it appears in the To: field).
+Pure: `now` is passed in and nothing is read or written. `notice` gives the queue record of
+a DSN with its content: the envelope is decided there, and only there.
 """
 
 from __future__ import annotations
@@ -64,6 +63,55 @@ def wants_notice(
 def is_8bit(data: bytes) -> bool:
     """Whether `data` has octets above 127, so must be sent with BODY=8BITMIME (RFC 6152)."""
     return not data.isascii()
+
+
+def notice(
+    message: Message,
+    reports: list[RecipientReport],
+    original: bytes,
+    *,
+    reporting_mta: str,
+    now: float,
+    max_return: int,
+    dsn_id: str,
+    klass: str,
+    lifetime: float,
+) -> tuple[Message, bytes]:
+    """The DSN about `reports` as a message to queue, with its content (see `build_dsn`).
+
+    Its envelope: from the null sender <>, so that no notice is ever sent about it (RFC 5321
+    4.5.5); to the original sender alone; BODY=8BITMIME when the content is 8-bit and SMTPUTF8
+    when the sender address is not ASCII (it appears in the To: field). Raises ValueError
+    for a report that `wants_notice` forbids: any about a null-sender message, or for a
+    recipient who did not ask for that action (NOTIFY=NEVER above all). Whether to send
+    "delayed" without NOTIFY is the caller's option (dsn.delay_without_notify)."""
+    for report in reports:
+        rcpt = report.recipient
+        if not wants_notice(message, rcpt, report.action, delay_without_notify=True):
+            raise ValueError(f"no {report.action} notice may be sent about {rcpt.address}")
+    content = build_dsn(
+        message,
+        reports,
+        original,
+        reporting_mta=reporting_mta,
+        now=now,
+        max_return=max_return,
+        dsn_id=dsn_id,
+    )
+    envelope = Message(
+        id=dsn_id,
+        sender="",
+        recipients=(Recipient(message.sender),),
+        created=now,
+        size=len(content),
+        klass=klass,
+        expires=now + lifetime,
+        body="8BITMIME" if is_8bit(content) else "7BIT",
+        smtputf8=not message.sender.isascii(),
+        client="",
+        helo=reporting_mta,
+    )
+    return envelope, content
 
 
 def build_dsn(

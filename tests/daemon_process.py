@@ -37,6 +37,7 @@ class DaemonProcess:
         ]
         self.events: list[dict] = []
         self.env: dict[str, str] = {}  # added to the daemon's environment
+        self.config_in_env = False  # name the config in $MTAQUEUE_CONFIG instead of -c
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -44,15 +45,16 @@ class DaemonProcess:
 
     def start(self) -> DaemonProcess:
         self.events = []  # this run's log only
-        args = [sys.executable, "-m", "mtaqueue.daemon", "-c", str(self.config_path)]
+        args = [sys.executable, "-m", "mtaqueue.daemon"]
+        env = {**os.environ, **self.env}
+        if self.config_in_env:
+            env["MTAQUEUE_CONFIG"] = str(self.config_path)
+        else:
+            args += ["-c", str(self.config_path)]
         for item in self.overrides:
             args += ["-o", item]
         self.proc = subprocess.Popen(
-            args,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            cwd=self.workdir,
-            env={**os.environ, **self.env},
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.workdir, env=env
         )
         ready = threading.Event()
         threading.Thread(target=self._read_log, args=(self.proc, ready), daemon=True).start()

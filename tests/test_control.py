@@ -92,7 +92,7 @@ DSN = Message(
     smtputf8=True,
 )
 MESSAGES = {m.id: m for m in (URGENT, HELD, BULK, DSN)}
-INFO = {"version": "0.1.0", "pid": 4242, "uptime": 12.5}
+INFO = {"version": "0.1.0", "pid": 4242, "uptime": 3725.4, "listen": ["127.0.0.1:25", "[::1]:25"]}
 
 
 class LoopThread:
@@ -213,6 +213,17 @@ def test_status_human(sock_path: str, capsys: pytest.CaptureFixture[str]) -> Non
     assert "  deferred" in out
     assert any(line.split() == ["classes", "p0", "2,", "p1", "1,", "p2", "1"] for line in lines)
     assert any(line.split() == ["version", "0.1.0"] for line in lines)
+    # Units and plain lists, not a float and a Python repr.
+    assert any(line.split() == ["uptime", "1h", "02m", "05s"] for line in lines)
+    assert any(line.split() == ["listen", "127.0.0.1:25,", "[::1]:25"] for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "0s"), (12.5, "12s"), (185, "3m 05s"), (7210, "2h 00m 10s"), (86400, "1d 00h 00m 00s")],
+)
+def test_durations_have_units(seconds: float, text: str) -> None:
+    assert ctl._duration(seconds) == text
 
 
 def test_list_json_contract(sock_path: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -383,6 +394,14 @@ def test_bad_requests_get_an_error_line(sock_path: str, payload: bytes, error: s
     [reply] = raw(sock_path, payload)
     assert reply["ok"] is False
     assert reply["error"].startswith(error)
+
+
+def test_deeply_nested_request_is_refused_and_the_server_goes_on(sock_path: str) -> None:
+    deep = b'{"cmd": "status", "args": {"a": ' + b"[" * 5000 + b"]" * 5000 + b"}}\n"
+    [reply] = raw(sock_path, deep)
+    assert reply == {"ok": False, "error": "malformed request: nested too deeply"}
+    status, end = raw(sock_path, b'{"cmd": "status"}\n')
+    assert status["messages"] == 4 and end == {"ok": True}
 
 
 def test_command_errors_end_the_stream(loop: LoopThread, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtaqueue.dsn import RecipientReport, build_dsn, is_8bit, wants_notice
+from mtaqueue.dsn import RecipientReport, build_dsn, is_8bit, notice, wants_notice
 from mtaqueue.model import Message, Recipient
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
@@ -143,6 +143,66 @@ def test_null_sender_never_gets_a_notice(action, notify):
 def test_notify_never_means_no_notice(action):
     rcpt = Recipient("r@d.example", notify="NEVER")
     assert not wants_notice(make_message(rcpt), rcpt, action, delay_without_notify=True)
+
+
+# -- the notice's envelope ----------------------------------------------------------
+
+
+def queue_notice(message: Message, reports, original: bytes = ORIGINAL):
+    return notice(
+        message,
+        reports,
+        original,
+        reporting_mta=MTA,
+        now=NOW + 120,
+        max_return=100_000,
+        dsn_id=DSN_ID,
+        klass="p0",
+        lifetime=86400.0,
+    )
+
+
+def test_the_notice_goes_from_the_null_sender_to_the_original_sender_alone():
+    rcpts = (Recipient("r@d.example"), Recipient("s@d.example", notify="FAILURE,DELAY"))
+    message = make_message(*rcpts, envid="E1", ret="HDRS", tenant="shop", client="192.0.2.7")
+    envelope, content = queue_notice(message, [report(r) for r in rcpts])
+    assert envelope.sender == ""  # MAIL FROM:<>: never a notice about a notice
+    assert envelope.recipients == (Recipient("app@sender.example"),)  # NOTIFY left out
+    assert (envelope.id, envelope.klass, envelope.helo) == (DSN_ID, "p0", MTA)
+    assert envelope.created == NOW + 120 and envelope.expires == NOW + 120 + 86400
+    assert envelope.size == len(content) and not envelope.held
+    # Nothing of the original's envelope is carried over.
+    assert envelope.envid is None and envelope.ret is None and envelope.tenant is None
+    assert envelope.client == "" and envelope.idempotency_key is None
+    assert (envelope.body, envelope.smtputf8) == ("7BIT", False)
+    assert content == build(message, [report(r) for r in rcpts])
+
+
+def test_a_utf8_sender_or_8bit_content_is_flagged_in_the_envelope():
+    message = make_message(sender="ü@sender.example")
+    envelope, content = queue_notice(message, [report(message.recipients[0])])
+    assert envelope.recipients[0].address == "ü@sender.example"
+    assert envelope.smtputf8 is True and envelope.body == "8BITMIME" and is_8bit(content)
+    original = ORIGINAL.replace(b"Hello.", "Grüße.".encode())
+    envelope, _ = queue_notice(make_message(), [report(Recipient("r@d.example"))], original)
+    assert envelope.body == "8BITMIME" and envelope.smtputf8 is False
+
+
+@pytest.mark.parametrize(
+    ("sender", "rcpt", "action"),
+    [
+        ("", Recipient("r@d.example"), "failed"),  # about a notice: never
+        ("", Recipient("r@d.example", notify="SUCCESS"), "delivered"),
+        ("app@sender.example", Recipient("r@d.example", notify="NEVER"), "failed"),
+        ("app@sender.example", Recipient("r@d.example", notify="NEVER"), "delayed"),
+        ("app@sender.example", Recipient("r@d.example", notify="FAILURE"), "relayed"),
+        ("app@sender.example", Recipient("r@d.example"), "delivered"),  # not asked for
+    ],
+)
+def test_no_notice_where_none_may_go(sender, rcpt, action):
+    message = make_message(rcpt, sender=sender)
+    with pytest.raises(ValueError):
+        queue_notice(message, [report(rcpt, action, "5.0.0" if action == "failed" else "2.0.0")])
 
 
 def test_wants_notice_refuses_an_unknown_action():

@@ -24,7 +24,6 @@ from mtaqueue.control.qshape import render as render_qshape
 from mtaqueue.model import RECIPIENT_STATES
 
 PROG = "mtaqueue-ctl"
-DEFAULT_CONFIG = "/etc/mtaqueue/mtaqueue.toml"
 
 Reply = Iterable[dict[str, Any]]
 
@@ -58,15 +57,31 @@ def _time(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
 
 
+def _duration(seconds: float) -> str:
+    """E.g. "45s", "3m 05s", "2h 00m 10s", "1d 04h 00m 00s"."""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    parts = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
+    while len(parts) > 1 and parts[0][0] == 0:
+        del parts[0]
+    first, *rest = parts
+    return " ".join([f"{first[0]}{first[1]}", *(f"{n:02}{unit}" for n, unit in rest)])
+
+
 def _value(key: str, value: Any) -> str:
     if key == "sender" and value == "":
         return "<>"
-    if value is None or value == "":
+    if value is None or value == "" or value == []:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
     if key in ("created", "expires", "next_attempt"):
         return _time(value)
+    if key == "uptime":
+        return _duration(value)
     return str(value)
 
 
@@ -233,14 +248,46 @@ def _count_show(reply: Reply, out: TextIO) -> None:
             out.write(f"{verb} {count} message{'s' if count != 1 else ''}\n")
 
 
+def _counts(counts: dict[str, int] | None) -> str:
+    return ", ".join(f"{k} {n}" for k, n in (counts or {}).items() if n) or "none"
+
+
+def _per_minute(rate: float) -> str:
+    return f"{rate:g}/min" if rate else "unlimited"
+
+
 def _domains_show(reply: Reply, out: TextIO) -> None:
     for d in reply:
-        queued = ", ".join(f"{k} {v}" for k, v in d.get("queued", {}).items()) or "empty"
         out.write(f"{d['destination']}  ({', '.join(d.get('domains', []))})\n")
-        out.write(f"  queued      {queued}\n")
-        out.write(f"  connections {d.get('active')} active / limit {d.get('limit')}\n")
-        out.write(f"  mode        {d.get('mode')}   circuit {d.get('circuit')}\n")
-        out.write(f"  4xx rate    {d.get('deferral_rate')}\n")
+        out.write(f"  queued      {_counts(d.get('queued'))}   (messages ready to go)\n")
+        out.write(f"  deferred    {_counts(d.get('deferred'))}   (messages waiting to retry)\n")
+        if not d.get("routed", True):
+            out.write("  state       none: not routed since the start\n")
+        else:
+            out.write(f"  connections {d.get('active')} active / limit {d.get('limit')}\n")
+            out.write(
+                f"  rates       {_per_minute(d.get('messages_per_minute', 0))} messages,"
+                f" {_per_minute(d.get('connections_per_minute', 0))} connections\n"
+            )
+            if override := d.get("override"):
+                limits = []
+                if override.get("rate_per_minute") is not None:
+                    limits.append(f"rate {_per_minute(override['rate_per_minute'])}")
+                if override.get("concurrency") is not None:
+                    limits.append(f"concurrency {override['concurrency']}")
+                if override.get("until"):
+                    limits.append(f"until {_time(override['until'])}")
+                out.write(f"  override    {', '.join(limits)}\n")
+            circuit = d.get("circuit")
+            if circuit == "open" and d.get("reopen_at"):
+                circuit += f" until {_time(d['reopen_at'])}"
+            mode = d.get("mode")
+            if d.get("stage"):
+                mode = f"{mode} (stage {d['stage']})"
+            out.write(f"  mode        {mode}   circuit {circuit}\n")
+            for host, until in d.get("suspended_hosts", {}).items():
+                out.write(f"  suspended   {host} until {_time(until)}\n")
+            out.write(f"  4xx rate    {d.get('deferral_rate') or 0:.0%} (last 10 minutes)\n")
         for line in d.get("last_replies", []):
             out.write(f"  last        {line}\n")
 
@@ -300,6 +347,13 @@ def _top_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=20)
 
 
+def _waiting(destination: dict[str, Any]) -> int:
+    """Messages for the destination, ready or deferred."""
+    return sum(destination.get("queued", {}).values()) + sum(
+        destination.get("deferred", {}).values()
+    )
+
+
 def _top(args: argparse.Namespace, out: TextIO) -> None:
     """A live view of the busiest destinations, refreshed in the terminal."""
     path = _socket_path(args)
@@ -309,7 +363,7 @@ def _top(args: argparse.Namespace, out: TextIO) -> None:
             status = next(iter(protocol.request(sock, "status", {})))
         with _connect(path) as sock:
             destinations = list(protocol.request(sock, "domains", {}))
-        destinations.sort(key=lambda d: -sum(d.get("queued", {}).values()))
+        destinations.sort(key=lambda d: -_waiting(d))
         if out.isatty():
             out.write("\033[H\033[2J")  # home and clear
         out.write(
@@ -317,13 +371,14 @@ def _top(args: argparse.Namespace, out: TextIO) -> None:
             f"messages {status.get('messages', 0)}  "
             f"by state {status.get('by_state', {})}\n\n"
         )
-        out.write(f"{'destination':<40} {'queued':>7} {'conn':>7} {'mode':>8} {'circuit':>9} 4xx\n")
+        header = f"{'destination':<40} {'waiting':>7} {'conn':>7} {'mode':>8} {'circuit':>9} 4xx"
+        out.write(header + "\n")
         for d in destinations[: args.rows]:
-            queued = sum(d.get("queued", {}).values())
+            waiting = _waiting(d)
             conns = f"{d.get('active', 0)}/{d.get('limit', '-')}"
             out.write(
-                f"{d['destination'][:40]:<40} {queued:>7} {conns:>7} {d.get('mode', ''):>8}"
-                f" {d.get('circuit', ''):>9} {d.get('deferral_rate', 0):.0%}\n"
+                f"{d['destination'][:40]:<40} {waiting:>7} {conns:>7} {d.get('mode') or '-':>8}"
+                f" {d.get('circuit') or '-':>9} {d.get('deferral_rate') or 0:.0%}\n"
             )
         out.flush()
         screens += 1
@@ -394,7 +449,14 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Inspect and steer a running mtaqueue daemon.")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("-c", "--config", metavar="FILE", help="daemon config to find the socket")
+    where.add_argument(
+        "-c",
+        "--config",
+        metavar="FILE",
+        help="the daemon's config, to find the socket (default: as the daemon's -c:"
+        " $MTAQUEUE_CONFIG, else /etc/mtaqueue/mtaqueue.toml if it exists, else the"
+        " built-in defaults)",
+    )
     where.add_argument("-s", "--socket", metavar="SOCKET", help="control socket path")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, sub in SUBCOMMANDS.items():
@@ -409,7 +471,7 @@ def _socket_path(args: argparse.Namespace) -> str:
         return args.socket
     from mtaqueue import config  # only when needed: -s works without a readable config
 
-    path = args.config or os.environ.get("MTAQUEUE_CONFIG") or DEFAULT_CONFIG
+    path = args.config or config.default_path()  # the daemon's own default
     try:
         return config.control_socket_path(config.load(path, []))
     except config.ConfigError as exc:

@@ -44,7 +44,7 @@ def operation_commands(
         return command
 
     async def domains(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        for entry in sorted(manager.domains(), key=lambda d: d["destination"]):
+        for entry in manager.view():
             yield entry
 
     async def limit(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:

@@ -47,6 +47,8 @@ def decode_request(line: bytes) -> Request:
         return _request_decoder.decode(line)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed request: {exc}") from None
+    except RecursionError:  # msgspec's answer to JSON nested deeper than it recurses
+        raise ProtocolError("malformed request: nested too deeply") from None
 
 
 OK_LINE = encode({"ok": True})

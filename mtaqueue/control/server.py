@@ -116,6 +116,9 @@ class ControlServer:
             await writer.drain()
         except ConnectionError:
             pass  # the client went away; nothing to tell it
+        except Exception:  # a bug must cost one request a clear answer, not the reply
+            log.exception("control request failed")
+            writer.write(protocol.error_line("internal error handling the request"))
         finally:
             self._connections.discard(task)
             writer.close()

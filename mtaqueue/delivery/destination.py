@@ -8,14 +8,17 @@ group_by = "domain" every domain is its own destination.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..config import Pacing
+from ..model import DEFERRED, QUEUED, Message
 from ..policy.fairness import FairQueue
 from ..policy.replies import Reply
 from ..policy.shaper import DestinationShaper
 from ..routing.resolver import Route
+from ..smtp.addresses import domain_of
 
 STATS_WINDOW = 600.0  # seconds of replies behind the 4xx rate
 
@@ -56,6 +59,7 @@ class Destination:
         self.arrived = asyncio.Event()  # wakes idle workers: new work, or a lower limit
         self.pump_at: asyncio.TimerHandle | None = None
         self.last_replies: deque[str] = deque(maxlen=5)
+        self.waiting: set[str] = set()  # ids of messages routed here, perhaps still pending
         self._window: deque[tuple[float, int]] = deque()  # (time, reply class digit)
 
     def record(self, now: float, reply: Reply) -> None:
@@ -63,6 +67,10 @@ class Destination:
         self._window.append((now, reply.code // 100 if reply.code else 4))
         while self._window and self._window[0][0] < now - STATS_WINDOW:
             self._window.popleft()
+
+    def recent(self, now: float) -> bool:
+        """Whether it had replies within STATS_WINDOW, behind its 4xx rate and last replies."""
+        return bool(self._window) and self._window[-1][0] >= now - STATS_WINDOW
 
     def deferral_rate(self, now: float) -> float:
         """Share of 4xx (and no-reply) outcomes over the last STATS_WINDOW seconds."""
@@ -74,6 +82,7 @@ class Destination:
         hosts = self.key.split(":")[0].split(",")
         return {
             "destination": self.key,
+            "routed": True,
             "domains": sorted(self.domains),
             "queued": self.queue.depth(),
             "active": self.active,
@@ -82,3 +91,47 @@ class Destination:
             "deferral_rate": round(self.deferral_rate(now), 3),
             "last_replies": list(self.last_replies),
         }
+
+
+def destinations_view(
+    live: list[dict], messages: Iterable[Message], busy: Mapping[str, Collection[int]]
+) -> list[dict]:
+    """Every destination with waiting mail or state to show, by name: the live ones'
+    snapshots (`live`), each with `deferred`, the messages by class with a recipient there
+    waiting for its retry time (pending, not held, not queued or in transit: `busy`); and for
+    deferred mail no live destination has routed (after a restart, say) one entry per
+    domain, `routed` false, with its recipients' last replies."""
+    owner = {domain: d["destination"] for d in live for domain in d["domains"]}
+    names = {d["destination"] for d in live}
+    deferred: dict[str, Counter[str]] = {}
+    replies: dict[str, list[tuple[float, str]]] = {}
+    for message in messages:
+        if message.held:
+            continue
+        in_transit = busy.get(message.id, ())
+        seen: set[str] = set()
+        for i, rcpt in enumerate(message.recipients):
+            if rcpt.state not in (QUEUED, DEFERRED) or i in in_transit:
+                continue
+            domain = domain_of(rcpt.address)
+            name = owner.get(domain, domain)
+            if name not in seen:  # a message counts once per destination
+                seen.add(name)
+                deferred.setdefault(name, Counter())[message.klass] += 1
+            if name not in names and rcpt.last_reply:
+                replies.setdefault(name, []).append((rcpt.last_attempt or 0.0, rcpt.last_reply))
+    view = [{**d, "deferred": dict(deferred.pop(d["destination"], {}))} for d in live]
+    for name, counts in deferred.items():
+        last = sorted(set(replies.get(name, [])))[-5:]
+        view.append(
+            {
+                "destination": name,
+                "routed": False,
+                "domains": [name],
+                "queued": {},
+                "deferred": dict(counts),
+                "active": 0,
+                "last_replies": [reply for _, reply in last],
+            }
+        )
+    return sorted(view, key=lambda d: d["destination"])

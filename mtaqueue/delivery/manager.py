@@ -23,9 +23,9 @@ from collections.abc import Callable
 import msgspec
 
 from .. import config
-from ..dsn import build_dsn, is_8bit
+from ..dsn import notice as dsn_notice
 from ..logs import get_logger
-from ..model import DEFERRED, QUEUED, Message, Recipient
+from ..model import DEFERRED, QUEUED, Message
 from ..policy.backoff import RetryPolicy, restart_due
 from ..policy.breaker import CLOSED, HALF_OPEN
 from ..policy.buckets import TokenBucket
@@ -49,7 +49,7 @@ from ..smtp.addresses import domain_of
 from ..smtp.client import ClientSettings, SmtpConnection
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool
-from .destination import Destination, WorkItem, destination_key
+from .destination import Destination, WorkItem, destination_key, destinations_view
 from .sender import Outcome, Sender
 
 log = get_logger("delivery")
@@ -202,6 +202,10 @@ class DeliveryManager:
         while not self._closing:
             await asyncio.sleep(EXPIRY_CHECK)
             self.expire(time.time())
+            # Destinations whose last waiting mail went without a connection (deleted,
+            # bounced, expired) or whose stats window passed are forgotten here.
+            for destination in list(self.destinations.values()):
+                self._retire(destination)
 
     def expire(self, now: float) -> None:
         """Expire mail whose lifetime has passed, whatever it waits for (pacing included)."""
@@ -280,6 +284,7 @@ class DeliveryManager:
         if destination is None:
             destination = self._new_destination(key, domain, route, now)
         destination.domains.add(domain)
+        destination.waiting.add(message.id)
         size = self.cfg.delivery.max_recipients_per_transaction
         for start in range(0, len(indexes), size):
             item = WorkItem(
@@ -432,10 +437,27 @@ class DeliveryManager:
             self._tenants[tenant].take(now)
 
     def _retire(self, destination: Destination) -> None:
-        """Forget a destination with nothing to do and nothing to remember."""
+        """Forget a destination with nothing to do and nothing to remember: its shaper at
+        rest, no replies in its stats window and no mail routed to it still waiting (a
+        deferred message keeps its destination's state in `mtaqueue-ctl domains`)."""
+        now = time.time()
         idle = not destination.active and not len(destination.queue)
-        if idle and destination.shaper.at_rest(time.time()):
+        quiet = destination.shaper.at_rest(now) and not destination.recent(now)
+        if idle and quiet and not self._still_waiting(destination):
             self.destinations.pop(destination.key, None)
+
+    def _still_waiting(self, destination: Destination) -> bool:
+        """Whether a message routed to the destination still has a recipient pending there;
+        forgets those that have none."""
+        for message_id in list(destination.waiting):
+            message = self.spool.messages.get(message_id)
+            if message is not None and any(
+                r.state in PENDING and domain_of(r.address) in destination.domains
+                for r in message.recipients
+            ):
+                return True
+            destination.waiting.discard(message_id)
+        return False
 
     # -- one attempt --------------------------------------------------------------------
 
@@ -591,7 +613,7 @@ class DeliveryManager:
         except (OSError, CorruptMessageFile):
             original = b""
         dsn_id = self.spool.ids.next(now)
-        content = build_dsn(
+        notice, content = dsn_notice(
             message,
             reports,
             original,
@@ -599,19 +621,8 @@ class DeliveryManager:
             now=now,
             max_return=self.cfg.dsn.max_return,
             dsn_id=dsn_id,
-        )
-        notice = Message(
-            id=dsn_id,
-            sender="",
-            recipients=(Recipient(message.sender),),
-            created=now,
-            size=len(content),
             klass=self.cfg.dsn.klass,
-            expires=now + self.cfg.dsn.lifetime,
-            body="8BITMIME" if is_8bit(content) else "7BIT",
-            smtputf8=not message.sender.isascii(),
-            client="",
-            helo=self.hostname,
+            lifetime=self.cfg.dsn.lifetime,
         )
         self.spool.accept(notice, content)
         log.info("dsn_queued", id=dsn_id, kind=kind, about=message.id, to=message.sender)
@@ -709,9 +720,14 @@ class DeliveryManager:
         return len(matched)
 
     def domains(self) -> list[dict]:
+        """The live destinations' state (for metrics; `view` adds the waiting mail)."""
         now = time.time()
         suspended = self.hosts.snapshot(now)
         return [d.snapshot(now, suspended) for d in self.destinations.values()]
+
+    def view(self) -> list[dict]:
+        """`mtaqueue-ctl domains`: every destination with waiting mail or state to show."""
+        return destinations_view(self.domains(), self.spool.messages.values(), self._busy)
 
     def _unqueue(self, predicate: Callable[[WorkItem], bool]) -> None:
         for destination in self.destinations.values():
