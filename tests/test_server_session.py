@@ -1021,13 +1021,18 @@ def test_bare_cr_or_lf_inside_a_header_line_is_a_space(header, stored):
     assert submit.content == stored + b"body\r\nend\r\n"
 
 
-_HEADER_BYTES = st.lists(
-    st.one_of(
-        st.binary(max_size=6),
-        st.sampled_from([b"\r", b"\n", b"\n\n", b"\r\r", b"X-Mtaqueue-Class: p0", b" ", b"."]),
-    ),
-    max_size=8,
-).map(lambda parts: b"".join(parts).replace(b"\r\n", b""))
+_HEADER_BYTES = (
+    st.lists(
+        st.one_of(
+            st.binary(max_size=6),
+            st.sampled_from([b"\r", b"\n", b"\n\n", b"\r\r", b"X-Mtaqueue-Class: p0", b" ", b"."]),
+        ),
+        max_size=8,
+    )
+    .map(lambda parts: b"".join(parts))
+    .filter(lambda value: b"\r\n" not in value)
+)
+# Filtered, not stripped: removing CRLF from b"\r\r\n\n" leaves a CRLF.
 
 
 @settings(max_examples=300, deadline=None)
