@@ -165,7 +165,7 @@ class JournalWriter:
         try:
             write_all(self._fd, data)
             os.fdatasync(self._fd)
-        except OSError:
+        except BaseException:  # not only I/O errors: whatever failed, the batch did
             self._roll_back()
             raise
         self.size += len(data)
