@@ -15,35 +15,9 @@ import uuid
 
 from daemon_process import DaemonProcess
 from e2e_helpers import events, wait_for
-from test_crash_e2e import body, markers_in_queue
+from test_crash_e2e import alive, body, markers_in_queue, writer_pid
 
 CLIENTS = 6
-
-
-def writer_pid(daemon: DaemonProcess) -> int:
-    """The daemon's live writer child (0 if none): what an operator's `kill -9` hits."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == daemon.proc.pid and b"mtaqueue.spool.writer" in cmdline:
-            return int(entry)
-    return 0
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def submit(port: int, results: list[tuple[str, str, int, str]], stop: threading.Event) -> None:
