@@ -296,9 +296,13 @@ class Daemon:
     async def _sweep(self, recovered: RecoveryReport) -> None:
         loop = asyncio.get_running_loop()
         known = set(self.spool.messages)
-        report = await loop.run_in_executor(
-            None, sweep, self.spool.layout, known, recovered.deleted, self.started
-        )
+        try:
+            report = await loop.run_in_executor(
+                None, sweep, self.spool.layout, known, recovered.deleted, self.started
+            )
+        except OSError as exc:  # the next start sweeps again
+            log.error("spool_sweep_failed", error=str(exc))
+            return
         changes = [
             self.spool.remove(queue_id, f"quarantined: {problem}")
             for queue_id, problem in report.quarantined
