@@ -79,7 +79,7 @@ def test_close_ends_within_its_timeout_when_the_writer_hangs(tmp_path):
         pending = spool.accept(message(spool), b"never answered\r\n")
         began = time.monotonic()
         assert await spool.close(1.0) is False
-        assert time.monotonic() - began < 4.0
+        assert time.monotonic() - began < 1.0 + 3.0  # the timeout, and some slack
         with pytest.raises(StorageError):
             await pending
 

@@ -76,6 +76,8 @@ def test_killing_the_writer_loses_no_answer_and_the_daemon_keeps_serving(start_d
     assert {marker: ids[0] for marker, ids in found.items()} == acked
     assert all(len(ids) == 1 for ids in found.values())
     assert len(events(daemon, "spool_writer_restarted")) == 3
+    # Each writer died young, so each restart waited twice as long as the last.
+    assert [e["restart_in"] for e in events(daemon, "spool_writer_lost")] == [0.5, 1.0, 2.0]
     assert daemon.send("app@example.com", ["a@example.org"], body("after"))  # still serving
     assert daemon.stop() == 0
 
