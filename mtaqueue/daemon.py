@@ -118,6 +118,8 @@ class Daemon:
         self.delivery.on_connect = self.metrics.observe_connect
         self.started = time.time()
         self._stop = asyncio.Event()
+        self._stall_limit = 0.0  # seconds without a commit while work waits: unhealthy
+        self._was_healthy = True
 
     def _suppressed(self, address: str) -> str | None:
         """The RCPT TO refusal for a suppressed address (the listener's check)."""
@@ -180,8 +182,8 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         log.info("ready", listen=listener.addresses, version=__version__, pid=os.getpid())
         notifier = Notifier()
-        self._watchdog_interval = notifier.watchdog_interval
-        self._was_healthy = True
+        if notifier.watchdog_interval is not None:
+            self._stall_limit = 2 * notifier.watchdog_interval  # WatchdogSec
         notifier.send(
             "READY=1",
             f"STATUS=accepting on {', '.join(listener.addresses)};"
@@ -274,7 +276,7 @@ class Daemon:
         whole WatchdogSec while work waits (a wedged or dead writer), so that systemd
         restarts us instead of a daemon that answers but never commits."""
         stalled = self.spool.stalled_for(time.monotonic())
-        healthy = stalled < 2 * (self._watchdog_interval or 0.0)
+        healthy = stalled < self._stall_limit
         if not healthy and self._was_healthy:
             log.error("spool_stalled", seconds=round(stalled, 1))
         self._was_healthy = healthy
@@ -330,7 +332,8 @@ class Daemon:
                 "spool_damaged",
                 frames_skipped=recovered.skipped_frames,
                 bytes_skipped=recovered.skipped_bytes,
-                journal_missing=recovered.journal_segments == 0 and bool(report.files),
+                journal_missing=recovered.journal_segments == 0
+                and report.files > report.temp_removed,
                 messages_readopted=adopted,
                 readopt_failed=len(report.adopt) - adopted,
                 files_quarantined=len(report.quarantined),

@@ -121,10 +121,6 @@ class Spool:
         self._lock_fd = -1
 
     @property
-    def writer_ok(self) -> bool:
-        return self._link is not None
-
-    @property
     def refusal(self) -> str | None:
         """Why new mail cannot be taken now, as the SMTP reply; None when it can."""
         if self._link is None:
@@ -246,9 +242,9 @@ class Spool:
             try:
                 await self._spawn()
                 break
-            except (OSError, StorageError) as exc:
+            except Exception as exc:  # whatever it is, giving up would refuse mail for good
                 self._backoff = self._longer_backoff()
-                log.error("spool_writer_start_failed", error=str(exc), retry_in=self._backoff)
+                log.error("spool_writer_start_failed", error=repr(exc), retry_in=self._backoff)
         self._restarting = None
         # The batch in flight may or may not have reached the disk. For its accepts the
         # new writer looks at the files (and journals those it finds); the other
@@ -450,22 +446,20 @@ class Spool:
             )
             return
         self._forget_pending_key(op, future)
-        if future.done():
-            return
         if isinstance(op, Remove):
-            future.set_result(op.id)
-            return
-        if isinstance(op, Suppress):
+            result = op.id
+        elif isinstance(op, Suppress):
             self.suppressed[op.address] = op
-            future.set_result(op.address)
-            return
-        if isinstance(op, Unsuppress):
+            result = op.address
+        elif isinstance(op, Unsuppress):
             self.suppressed.pop(op.address, None)
-            future.set_result(op.address)
-            return
-        message = op.message
-        future.set_result(message.id)
-        if isinstance(op, Accept | Adopt):
+            result = op.address
+        else:
+            result = op.message.id
+        if not future.done():
+            future.set_result(result)
+        if isinstance(op, Accept | Adopt):  # durable: queued, whoever still waits for it
+            message = op.message
             self.messages[message.id] = message
             if message.idempotency_key is not None:
                 self.keys[message.idempotency_key] = (message.id, message.created)
