@@ -114,8 +114,11 @@ class SpoolWriter:
         self.state: JournalState = journal.replay(self.layout.journal, repair=False).state
         # A writer that died may have left appends that were read just now but never
         # synced; the daemon is about to rely on them (Adopt), so make them durable.
+        # (A segment that cannot even be opened was skipped by the replay; the
+        # compaction below rewrites everything it read.)
         for path in journal.list_segments(self.layout.journal):
-            fsync_path(path)
+            with contextlib.suppress(OSError):
+                fsync_path(path)
         self.journal = journal.JournalWriter(self.layout.journal)
         self._base_size = 0  # journal size right after the last compaction
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="spool-io")
