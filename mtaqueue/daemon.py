@@ -5,7 +5,8 @@
 Start order: recover the spool (queue state from the journal), bind the
 listener, open the control socket, then check spool files in the background.
 SIGTERM/SIGINT: stop accepting, let messages in transfer finish (bounded by
-spool.shutdown_grace), commit the journal, exit 0.
+spool.shutdown_grace), commit the journal, exit 0 (1 if changes had to be
+given up because the spool could not commit them in time).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from .smtp.addresses import qualified_hostname
 from .smtp.auth import Credentials, hash_password, load_auth_file
 from .smtp.listener import Listener, ListenerSettings
 from .smtp.server_session import SessionSettings
-from .spool.store import Spool, SpoolLocked, StorageError
+from .spool.store import RecoveryReport, Spool, SpoolLocked, StorageError
 from .spool.sweep import sweep
 from .submission import SubmissionSettings
 
@@ -47,6 +48,8 @@ log = get_logger("daemon")
 
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
+ADOPT_CHUNK = 1000  # messages re-adopted per batch of the sweep
+DETAIL_MAX = 20  # ids and damage lines listed in spool_damaged (the counts are complete)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +135,8 @@ class Daemon:
         self.delivery.on_connect = self.metrics.observe_connect
         self.started = time.time()
         self._stop = asyncio.Event()
+        self._stall_limit = 0.0  # seconds without a commit while work waits: unhealthy
+        self._was_healthy = True
 
     def _suppressed(self, address: str) -> str | None:
         """The RCPT TO refusal for a suppressed address (the listener's check)."""
@@ -155,12 +160,9 @@ class Daemon:
             journal_records=report.journal_records,
             journal_segments=report.journal_segments,
             dropped_bytes=report.dropped_bytes,
+            skipped_frames=report.skipped_frames,
             seconds=round(report.seconds, 3),
         )
-        for warning in report.warnings:
-            log.warning("journal_damaged", detail=warning)
-        self.exit_code = 0
-        self.spool.on_writer_lost = self._writer_lost
         listener = Listener(
             self.listener_settings,
             self.spool,
@@ -189,7 +191,7 @@ class Daemon:
         except (OSError, RuntimeError, StorageError) as exc:
             log.error("startup_failed", error=str(exc))
             await listener.close(0)
-            await self.spool.close()
+            await self.spool.close(self.cfg.spool.shutdown_grace)
             return EXIT_RUNTIME
         self.listener = listener
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -199,22 +201,28 @@ class Daemon:
             log.warning("hostname_unqualified", key="listen.hostname", hostname=self.hostname)
         log.info("ready", listen=listener.addresses, version=__version__, pid=os.getpid())
         notifier = Notifier()
+        if notifier.watchdog_interval is not None:
+            self._stall_limit = 2 * notifier.watchdog_interval  # WatchdogSec
         notifier.send(
             "READY=1",
             f"STATUS=accepting on {', '.join(listener.addresses)};"
             f" {len(self.spool.messages)} messages queued",
             f"MAINPID={os.getpid()}",
         )
-        watchdog = asyncio.create_task(notifier.watchdog())
-        sweep = asyncio.create_task(self._sweep())
+        watchdog = asyncio.create_task(notifier.watchdog(self._healthy))
+        sweep = asyncio.create_task(self._sweep(report))
         free_space = asyncio.create_task(self._watch_free_space())
         alerting = asyncio.create_task(self._evaluate_alerts())
         await self._stop.wait()
 
-        log.info("stopping", grace=self.cfg.spool.shutdown_grace)
+        grace = self.cfg.spool.shutdown_grace
+        log.info("stopping", grace=grace)
         notifier.send("STOPPING=1", "STATUS=stopping: finishing messages in transfer")
-        await listener.close(self.cfg.spool.shutdown_grace)
-        await delivery.close(self.cfg.spool.shutdown_grace)
+        # One deadline for the whole stop, whatever state the spool is in: the
+        # listener and delivery finish side by side, the spool commits what they
+        # leave in the time that remains (at least a second).
+        deadline = time.monotonic() + grace
+        await asyncio.gather(listener.close(grace), delivery.close(grace))
         sweep.cancel()
         free_space.cancel()
         watchdog.cancel()
@@ -223,9 +231,9 @@ class Daemon:
             metrics_server.close()
             await metrics_server.wait_closed()
         await control.close()
-        await self.spool.close()
+        clean = await self.spool.close(max(deadline - time.monotonic(), 1.0))
         log.info("stopped", accepted=listener.accepted)
-        return self.exit_code
+        return 0 if clean else EXIT_RUNTIME
 
     def reload(self) -> None:
         """SIGHUP: read the config again and apply what can change without a restart.
@@ -282,11 +290,16 @@ class Daemon:
         for event in events:
             log.warning(event.pop("event"), **event)
 
-    def _writer_lost(self) -> None:
-        # Without its writer the spool cannot make anything durable: stop, and let
-        # the supervisor restart us (recovery replays the journal).
-        self.exit_code = EXIT_RUNTIME
-        self._stop.set()
+    def _healthy(self) -> bool:
+        """For the systemd watchdog: false once the spool has made no progress for a
+        whole WatchdogSec while work waits (a wedged or dead writer), so that systemd
+        restarts us instead of a daemon that answers but never commits."""
+        stalled = self.spool.stalled_for(time.monotonic())
+        healthy = stalled < self._stall_limit
+        if not healthy and self._was_healthy:
+            log.error("spool_stalled", seconds=round(stalled, 1))
+        self._was_healthy = healthy
+        return healthy
 
     def info(self) -> dict:
         listener = getattr(self, "listener", None)
@@ -302,26 +315,53 @@ class Daemon:
             "journal_bytes": self.spool.journal_bytes(),
         }
 
-    async def _sweep(self) -> None:
+    async def _sweep(self, recovered: RecoveryReport) -> None:
         loop = asyncio.get_running_loop()
         known = set(self.spool.messages)
-        report = await loop.run_in_executor(None, sweep, self.spool.layout, known, self.started)
-        for queue_id, problem in report.quarantined:
-            log.error("message_quarantined", id=queue_id, problem=problem)
-            if queue_id in self.spool.messages:
-                await self.spool.remove(queue_id, f"quarantined: {problem}")
-        for queue_id in report.missing:
-            if queue_id in self.spool.messages:
-                log.error("message_file_missing", id=queue_id)
-                await self.spool.remove(queue_id, "message file missing")
+        try:
+            report = await loop.run_in_executor(
+                None, sweep, self.spool.layout, known, recovered.deleted, self.started
+            )
+        except OSError as exc:  # the next start sweeps again
+            log.error("spool_sweep_failed", error=str(exc))
+            return
+        changes = [
+            self.spool.remove(queue_id, f"quarantined: {problem}")
+            for queue_id, problem in report.quarantined
+            if queue_id in self.spool.messages
+        ]
+        missing = [queue_id for queue_id in report.missing if queue_id in self.spool.messages]
+        changes += [self.spool.remove(queue_id, "message file missing") for queue_id in missing]
+        adopted = 0
+        for start in range(0, len(report.adopt), ADOPT_CHUNK):
+            chunk = report.adopt[start : start + ADOPT_CHUNK]
+            results = await asyncio.gather(*map(self.spool.adopt, chunk), return_exceptions=True)
+            adopted += sum(not isinstance(result, BaseException) for result in results)
+        await asyncio.gather(*changes, return_exceptions=True)
         log.info(
             "spool_swept",
             files=report.files,
-            orphans_removed=report.orphans_removed,
+            adopted=adopted,
             temp_removed=report.temp_removed,
             quarantined=len(report.quarantined),
-            missing=len(report.missing),
+            missing=len(missing),
         )
+        if recovered.skipped_frames or report.adopt or report.quarantined or missing:
+            # One event for the operator, with what was found and what became of it.
+            log.error(
+                "spool_damaged",
+                frames_skipped=recovered.skipped_frames,
+                bytes_skipped=recovered.skipped_bytes,
+                journal_missing=recovered.journal_segments == 0
+                and report.files > report.temp_removed,
+                messages_readopted=adopted,
+                readopt_failed=len(report.adopt) - adopted,
+                files_quarantined=len(report.quarantined),
+                files_missing=len(missing),
+                damage=recovered.damage[:DETAIL_MAX],
+                quarantined=[f"{i}: {problem}" for i, problem in report.quarantined][:DETAIL_MAX],
+                missing=missing[:DETAIL_MAX],
+            )
 
     async def _watch_free_space(self) -> None:
         # Commits refresh it too; this catches a disk filled by someone else.

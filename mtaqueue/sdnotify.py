@@ -2,7 +2,8 @@
 
 READY=1 once listeners are bound and the queue is loaded, STOPPING=1 when a stop
 begins, STATUS= lines for `systemctl status`, and WATCHDOG=1 from the event loop
-(every half of WatchdogSec) so that a stalled loop gets the service restarted.
+(every half of WatchdogSec, while the daemon says it is healthy) so that a stalled
+loop, or a spool that no longer commits, gets the service restarted.
 Outside systemd ($NOTIFY_SOCKET unset) every call does nothing.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Callable
 
 
 class Notifier:
@@ -42,10 +44,12 @@ class Notifier:
                 return False
         return True
 
-    async def watchdog(self) -> None:
-        """Ping systemd from the loop; a loop stuck for WatchdogSec gets us restarted."""
+    async def watchdog(self, healthy: Callable[[], bool]) -> None:
+        """Ping systemd from the loop while healthy(); a loop stuck, or unhealthy, for
+        WatchdogSec gets us restarted."""
         if self.watchdog_interval is None:
             return
         while True:
-            self.send("WATCHDOG=1")
+            if healthy():
+                self.send("WATCHDOG=1")
             await asyncio.sleep(self.watchdog_interval)

@@ -5,16 +5,21 @@ from __future__ import annotations
 import os
 import random
 import smtplib
+import struct
 import subprocess
 import threading
 import time
 import uuid
+import zlib
 
 import pytest
 from daemon_process import DaemonProcess
+from e2e_helpers import events, wait_for
 
+from mtaqueue.ids import IdGenerator
+from mtaqueue.model import Message, Recipient
 from mtaqueue.spool.layout import SpoolLayout
-from mtaqueue.spool.message_file import read_message_file
+from mtaqueue.spool.message_file import prelude_and_header, read_message_file
 
 CLIENTS = 8
 ROUNDS = 6
@@ -54,9 +59,36 @@ def markers_in_queue(daemon: DaemonProcess) -> dict[str, list[str]]:
     return found
 
 
+def writer_pid(daemon: DaemonProcess) -> int:
+    """The daemon's live writer child (0 if none): what an operator's `kill -9` hits."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == daemon.proc.pid and b"mtaqueue.spool.writer" in cmdline:
+            return int(entry)
+    return 0
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def test_kill_9_during_concurrent_submissions_loses_nothing(start_daemon):
     daemon = start_daemon()
     acked: list[tuple[str, str]] = []
+    not_json: list[str] = []
     rng = random.Random(1)
     for _ in range(ROUNDS):
         stop = threading.Event()
@@ -67,12 +99,18 @@ def test_kill_9_during_concurrent_submissions_loses_nothing(start_daemon):
         for thread in threads:
             thread.start()
         time.sleep(rng.uniform(0.4, 1.2))
+        writer = writer_pid(daemon)
         daemon.proc.kill()  # SIGKILL, mid-flight
         daemon.proc.wait()
         stop.set()
         for thread in threads:
             thread.join(30)
+        wait_for(lambda: not alive(writer), what="the orphaned writer to exit")  # noqa: B023
+        time.sleep(0.3)  # its last words, if any, reach the log reader
+        not_json += [e["text"] for e in daemon.events if e.get("event") == "non_json"]
         daemon.start()
+
+    assert not_json == [], "the writer complained when its daemon died"
 
     assert len(acked) > 100, "the test did not put the daemon under load"
     found = markers_in_queue(daemon)
@@ -168,11 +206,16 @@ def test_recovery_rules_for_damaged_spools(start_daemon):
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF
     path.write_bytes(bytes(data))
-    # A file that was written but never journaled (crash before the journal append),
-    # and an interrupted temp file.
-    orphan = "0" * 6 + kept[6:9] + "0" * 7
-    layout.message_path(orphan).write_bytes(b"MTQ1 never acknowledged")
-    layout.tmp_path(orphan).write_bytes(b"half")
+    # A file the journal does not know (its record lost, or a crash before the journal
+    # append), one that is not a message file at all, and an interrupted temp file.
+    unknown = IdGenerator().next(time.time() - 60)
+    record = Message(unknown, "app@example.com", (Recipient("b@example.org"),), 1e9, 6, "p1")
+    layout.message_path(unknown).write_bytes(
+        prelude_and_header(record, b"hello\r\n") + b"hello\r\n"
+    )
+    bogus = "0" * 6 + kept[6:9] + "0" * 7
+    layout.message_path(bogus).write_bytes(b"MTQ1 never acknowledged")
+    layout.tmp_path(bogus).write_bytes(b"half")
     # A torn record at the end of the journal.
     (segment,) = sorted(layout.journal.glob("*.log"))[-1:]
     with segment.open("ab") as journal_file:
@@ -180,17 +223,80 @@ def test_recovery_rules_for_damaged_spools(start_daemon):
 
     daemon.start()
     recovered = daemon.wait_event("spool_recovered")
-    assert recovered["dropped_bytes"] == 8
+    assert recovered["dropped_bytes"] == 8 and recovered["skipped_frames"] == 0
     swept = daemon.wait_event("spool_swept")
-    assert swept["orphans_removed"] == 1 and swept["temp_removed"] == 1
-    assert swept["quarantined"] == 1
-    event = daemon.wait_event("message_quarantined")
-    assert event["id"] == damaged and "checksum" in event["problem"]
-    assert (layout.quarantine / damaged).exists()
+    assert (swept["adopted"], swept["temp_removed"], swept["quarantined"]) == (1, 1, 2)
+    damage = daemon.wait_event("spool_damaged")  # one event, at error level, with counts
+    assert damage["level"] == "error"
+    assert (damage["messages_readopted"], damage["files_quarantined"]) == (1, 2)
+    assert any(
+        line.startswith(f"{damaged}: ") and "checksum" in line for line in damage["quarantined"]
+    )
+    assert (layout.quarantine / damaged).exists() and (layout.quarantine / bogus).exists()
+    assert not layout.tmp_path(bogus).exists()
     time.sleep(0.5)
-    assert list(daemon.messages()) == [kept]
-    assert not layout.message_path(orphan).exists() and not layout.tmp_path(orphan).exists()
+    assert set(daemon.messages()) == {kept, unknown}
     # The daemon goes on journaling after the cut tail.
     fresh = daemon.send("app@example.com", ["a@example.org"], body("fresh"))
     daemon.restart()
-    assert set(daemon.messages()) == {kept, fresh}
+    assert set(daemon.messages()) == {kept, unknown, fresh}
+    assert events(daemon, "spool_damaged") == []  # repaired: nothing left to report
+
+
+def flip_in_snapshot(layout: SpoolLayout) -> None:
+    (path,) = layout.journal.glob("*.log")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 4] ^= 0x01  # the snapshot is the first half of the segment
+    path.write_bytes(bytes(data))
+
+
+def cut_at_three_quarters(layout: SpoolLayout) -> None:
+    (path,) = layout.journal.glob("*.log")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 3 // 4])
+
+
+def delete_journal(layout: SpoolLayout) -> None:
+    for path in layout.journal.glob("*.log"):
+        path.unlink()
+
+
+def undecodable_frame(layout: SpoolLayout) -> None:
+    (path,) = layout.journal.glob("*.log")
+    payload = b"\x92\x09\xc0"  # intact, but a record this version does not know
+    frame = struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+    data = path.read_bytes()
+    at = 0
+    while at < len(data) // 2:  # to a frame boundary near the middle
+        at += 8 + struct.unpack_from("<I", data, at)[0]
+    path.write_bytes(data[:at] + frame + data[at:])
+
+
+@pytest.mark.parametrize(
+    "damage", [flip_in_snapshot, cut_at_three_quarters, delete_journal, undecodable_frame]
+)
+def test_a_damaged_journal_loses_nothing_that_is_on_disk(start_daemon, damage):
+    daemon = start_daemon()
+    acked = [daemon.send("app@example.com", ["a@example.org"], body(f"a{i}")) for i in range(15)]
+    removed = acked.pop(0)
+    assert daemon.ctl("delete", removed).returncode == 0
+    daemon.restart()  # the writer's start compacts: the journal is a snapshot, then appends
+    acked += [daemon.send("app@example.com", ["a@example.org"], body(f"b{i}")) for i in range(15)]
+    assert daemon.stop() == 0
+    layout = SpoolLayout(daemon.spool)
+    assert len(list(layout.journal.glob("*.log"))) == 1
+    damage(layout)
+
+    daemon.start()  # never dies on it
+    wait_for(lambda: set(daemon.messages()) == set(acked), what="every acked message")
+    event = daemon.wait_event("spool_damaged", timeout=20)
+    assert event["level"] == "error"
+    assert event["files_quarantined"] == 0 and event["readopt_failed"] == 0
+    assert event["frames_skipped"] + event["messages_readopted"] > 0
+    if damage is delete_journal:
+        assert event["journal_missing"] and event["messages_readopted"] == len(acked)
+    if damage in (flip_in_snapshot, undecodable_frame):
+        assert event["frames_skipped"] == 1 and event["damage"]
+    assert removed not in daemon.messages()
+    daemon.restart()
+    assert set(daemon.messages()) == set(acked)

@@ -18,7 +18,6 @@ from mtaqueue.model import RECIPIENT_STATES, Message, Recipient
 from mtaqueue.spool import journal
 from mtaqueue.spool.journal import (
     JournalWriter,
-    UnreadableJournal,
     compact,
     decode_frames,
     encode,
@@ -123,20 +122,41 @@ def test_a_cut_anywhere_keeps_exactly_the_complete_frames(recs, data):
         assert same(result.state, applied(recs[:complete]))
         assert result.records == complete
         assert result.dropped_bytes == cut - valid
-        assert result.warnings == []
+        assert result.damage == [] and result.skipped_frames == 0
         assert path.stat().st_size == valid  # the torn tail is gone from disk
 
 
 @given(st.lists(records, min_size=1, max_size=20), st.data())
-def test_a_corrupt_byte_stops_replay_at_its_frame(recs, data):
+def test_a_corrupt_byte_costs_only_its_frame(recs, data):
     blob, ends = frame_ends(recs)
     corrupt = bytearray(blob)
     at = data.draw(st.integers(0, len(blob) - 1), label="at")
     corrupt[at] ^= data.draw(st.integers(1, 255), label="xor")
     hit = bisect_right(ends, at)  # index of the frame holding the byte
-    records, valid = decode_frames(bytes(corrupt))
-    assert records == recs[:hit]
-    assert valid == (ends[hit - 1] if hit else 0)
+    begin = ends[hit - 1] if hit else 0
+    frames = decode_frames(bytes(corrupt))
+    # Replay resynchronises on the next intact frame: only the hit one is lost.
+    assert frames.records == recs[:hit] + recs[hit + 1 :]
+    if hit == len(recs) - 1:  # damage in the last frame looks like a torn write
+        assert (frames.end, frames.skipped) == (begin, [])
+    else:
+        assert frames.end == len(blob)
+        assert [(start, stop) for start, stop, _ in frames.skipped] == [(begin, ends[hit])]
+
+
+@settings(max_examples=50)
+@given(st.lists(records, min_size=2, max_size=20), st.data())
+def test_garbage_in_the_middle_costs_only_the_frames_it_covers(recs, data):
+    blob, ends = frame_ends(recs)
+    first = data.draw(st.integers(0, len(recs) - 2), label="first damaged frame")
+    last = data.draw(st.integers(first, len(recs) - 2), label="last damaged frame")
+    begin, stop = (ends[first - 1] if first else 0), ends[last]
+    noise = data.draw(st.binary(min_size=stop - begin, max_size=stop - begin), label="noise")
+    frames = decode_frames(blob[:begin] + noise + blob[stop:])
+    # Whatever the noise decodes to, every intact frame after it is read again.
+    assert frames.records[:first] == recs[:first]
+    assert frames.records[len(frames.records) - (len(recs) - last - 1) :] == recs[last + 1 :]
+    assert frames.end == len(blob)
 
 
 @settings(max_examples=50)
@@ -201,8 +221,8 @@ def test_a_torn_tail_in_an_older_segment_is_reported_and_skipped(tmp_path):
     segment(tmp_path, 2).write_bytes(encode(second))
     result = replay(tmp_path)
     assert same(result.state, applied([first, second]))
-    assert result.dropped_bytes == len(torn)
-    assert len(result.warnings) == 1 and segment(tmp_path, 1).name in result.warnings[0]
+    assert (result.dropped_bytes, result.skipped_frames, result.skipped_bytes) == (0, 1, len(torn))
+    assert len(result.damage) == 1 and segment(tmp_path, 1).name in result.damage[0]
     assert segment(tmp_path, 1).stat().st_size == len(encode(first)) + len(torn)  # left alone
 
 
@@ -223,14 +243,17 @@ def test_replay_of_an_empty_journal(tmp_path):
     assert (result.segments, result.records, result.last_segment) == (0, 0, None)
 
 
-def test_an_intact_but_unknown_frame_is_refused_not_cut(tmp_path):
+def test_an_intact_but_unknown_frame_is_skipped_not_cut(tmp_path):
     payload = b"\x92\x09\xc0"  # [9, nil]: a record tag this version does not know
     frame = journal._HEADER.pack(len(payload), journal.zlib.crc32(payload)) + payload
     path = segment(tmp_path, 1)
-    path.write_bytes(encode(Put(message())) + frame)
-    with pytest.raises(UnreadableJournal, match=path.name):
-        replay(tmp_path)
-    assert path.stat().st_size == len(encode(Put(message()))) + len(frame)
+    first, later = Put(message(IDS[0])), Put(message(IDS[1]))
+    path.write_bytes(encode(first) + frame + encode(later) + frame)
+    result = replay(tmp_path)  # the start goes on: no exception
+    assert same(result.state, applied([first, later]))
+    assert result.skipped_frames == 2 and result.dropped_bytes == 0
+    assert all("does not decode" in line and path.name in line for line in result.damage)
+    assert path.stat().st_size == 2 * len(frame) + len(encode(first)) + len(encode(later))
 
 
 def test_oversized_records_are_refused_and_lengths_capped(monkeypatch):
@@ -239,7 +262,7 @@ def test_oversized_records_are_refused_and_lengths_capped(monkeypatch):
         encode(Put(message()))
     small = encode(Delete(IDS[0], "x"))
     frame = journal._HEADER.pack(1 << 31, 0) + bytes(100)
-    assert decode_frames(small + frame) == ([Delete(IDS[0], "x")], len(small))
+    assert decode_frames(small + frame) == journal.Frames([Delete(IDS[0], "x")], len(small), [])
 
 
 def test_writer_continues_numbering_in_a_fresh_segment(tmp_path):
@@ -315,7 +338,7 @@ def test_when_the_cut_fails_too_the_writer_moves_to_a_new_segment(tmp_path, monk
     writer.close()
     result = replay(tmp_path)
     assert same(result.state, applied([FIRST, LATER]))
-    assert len(result.warnings) == 1  # the half frame, stranded in segment 1
+    assert len(result.damage) == 1  # the half frame, stranded in segment 1
 
 
 def test_segments_before_the_last_snapshot_are_not_read(tmp_path):

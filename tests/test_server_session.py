@@ -31,11 +31,11 @@ def make(
     max_message_size: int = 100_000,
     max_recipients: int = 100,
     may_relay: bool = True,
-    storage_ok=None,
+    storage_refusal=None,
     **options,
 ) -> ServerSession:
     settings_ = SessionSettings(HOST, max_message_size, max_recipients, **options)
-    return ServerSession(settings_, may_relay=may_relay, storage_ok=storage_ok)
+    return ServerSession(settings_, may_relay=may_relay, storage_refusal=storage_refusal)
 
 
 def send(session: ServerSession, data: bytes):
@@ -915,11 +915,13 @@ def test_has_line_over_is_the_longest_line_test(lines, limit):
 
 
 def test_storage_not_ok_refuses_mail():
-    state = {"ok": False}
-    session = ready(storage_ok=lambda: state["ok"])
+    state = {"refusal": "452 4.3.1 Insufficient system storage"}
+    session = ready(storage_refusal=lambda: state["refusal"])
     assert mail(session, b"<a@b.example>") == ["452 4.3.1 Insufficient system storage"]
     assert session.envelope is None
-    state["ok"] = True
+    state["refusal"] = "451 4.3.0 Spool writer restarting, try again later"
+    assert mail(session, b"<a@b.example>") == [state["refusal"]]
+    state["refusal"] = None
     assert mail(session, b"<a@b.example>") == ["250 2.1.0 Ok"]
 
 

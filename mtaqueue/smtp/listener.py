@@ -159,7 +159,7 @@ class SubmissionProtocol(asyncio.Protocol):
         self.session = ServerSession(
             settings.session,
             may_relay=listener.may_relay(self.client),
-            storage_ok=lambda: listener.spool.storage_ok,
+            storage_refusal=lambda: listener.spool.refusal,
             rcpt_check=listener.rcpt_check,
         )
         transport.write(self.session.greeting())

@@ -89,12 +89,12 @@ class ServerSession:
         settings: SessionSettings,
         *,
         may_relay: bool,
-        storage_ok: Callable[[], bool] | None = None,
+        storage_refusal: Callable[[], str | None] | None = None,
         rcpt_check: Callable[[str], str | None] | None = None,
     ) -> None:
         self.settings = settings
         self.may_relay = may_relay  # client address is in listen.mynetworks
-        self._storage_ok = storage_ok or (lambda: True)
+        self._storage_refusal = storage_refusal or (lambda: None)  # a reply, or None
         self._rcpt_check = rcpt_check or (lambda address: None)  # a refusal reply, or None
         self.tls = False
         self.user: str | None = None
@@ -333,8 +333,9 @@ class ServerSession:
         except _ParamError as exc:
             self._error(str(exc))
             return
-        if not self._storage_ok():
-            self._error("452 4.3.1 Insufficient system storage")
+        refusal = self._storage_refusal()  # disk low (452 4.3.1), writer restarting (451 4.3.0)
+        if refusal:
+            self._error(refusal)
             return
         self.envelope = envelope
         self._reply("250 2.1.0 Ok")

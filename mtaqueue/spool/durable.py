@@ -9,7 +9,12 @@ from pathlib import Path
 
 def fsync_dir(path: Path) -> None:
     """Make renames and new entries in `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fsync_path(path, os.O_DIRECTORY)
+
+
+def fsync_path(path: Path, flags: int = 0) -> None:
+    """Make a file written by someone else (a writer that died) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
     try:
         os.fsync(fd)
     finally:

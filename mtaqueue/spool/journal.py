@@ -3,10 +3,11 @@
 Segments are files named `%016d.log` in the journal directory; the number only
 grows, so names sort in write order. A frame is (payload length, crc32(payload))
 then the msgpack payload of one `Record`. A crash can only tear the tail of the
-segment being written: replay keeps the complete frames before the tear and cuts
-the rest off. Compaction writes the whole state as a snapshot into a fresh segment,
-ending with SnapshotDone, then deletes the older ones; replay starts at the newest
-segment holding a SnapshotDone.
+segment being written: replay cuts that off. Damage anywhere else (a flipped
+byte, a lost block) costs only the frames it hits: replay skips them and finds
+the next intact frame. Compaction writes the whole state as a snapshot into a
+fresh segment, ending with SnapshotDone, then deletes the older ones; replay
+starts at the newest undamaged segment holding a SnapshotDone.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import typing
 import zlib
 from pathlib import Path
 
@@ -26,59 +28,98 @@ _HEADER = struct.Struct("<II")  # payload length, crc32(payload)
 # A corrupt length field must read as a torn frame, not make us trust gigabytes.
 MAX_PAYLOAD = 64 << 20
 _SEGMENT_NAME = re.compile(r"[0-9]{16}\.log")
+# Every payload starts [tag, ...]: a msgpack fixarray, then the record's tag as a
+# positive fixint. Looking for that pair is how a resync finds frame candidates fast.
+_TAGS = bytes(sorted(cls.__struct_config__.tag for cls in typing.get_args(Record)))
+_PAYLOAD_START = re.compile(b"[\x91-\x9f][" + re.escape(_TAGS) + b"]")
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
-
-
-class UnreadableJournal(ValueError):
-    """A frame is intact (its checksum matches) but is not a record we know.
-
-    That is no torn write but a bug or a journal from a newer version; cutting it
-    off like a torn tail would silently drop acknowledged state, so replay stops.
-    """
 
 
 def encode(rec: Record) -> bytes:
     """One framed record."""
     payload = _encoder.encode(rec)
     if len(payload) > MAX_PAYLOAD:
-        # Replay would take it for a torn frame and drop every record after it.
+        # Replay would take it for a damaged frame and skip it.
         raise ValueError(f"journal record of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
     return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def decode_frames(data: bytes) -> tuple[list[Record], int]:
-    """Records of the complete, valid frames at the start of data, and the bytes they span.
+class Frames(msgspec.Struct):
+    records: list[Record]  # of the intact frames, in order
+    end: int  # where the last intact frame ends: anything after it is a torn tail
+    skipped: list[tuple[int, int, str]]  # damaged stretches before `end`: start, stop, problem
 
-    Stops at the first torn or corrupt frame; raises UnreadableJournal for an intact one
-    that does not decode.
+
+def decode_frames(data: bytes) -> Frames:
+    """The records of every intact frame in data.
+
+    A frame that fails its checks is skipped: replay goes on at the next intact frame
+    (see `_resync`). Nothing intact after it means a torn tail, which `end` marks. An
+    intact frame that does not decode (a bug, or a record of a newer version) is
+    skipped too, never cut off: its bytes stay for whoever can read them.
     """
     view = memoryview(data)
     records: list[Record] = []
+    skipped: list[tuple[int, int, str]] = []
     append = records.append
     decode = _decoder.decode
     unpack = _HEADER.unpack_from
     crc32 = zlib.crc32
     header = _HEADER.size
-    end = len(data)
-    pos = 0
-    while pos + header <= end:
+    size = len(data)
+    pos = good = 0
+    while pos + header <= size:
         length, crc = unpack(data, pos)
         start = pos + header
         stop = start + length
         # encode() never writes an empty payload: zeros are unwritten space.
-        if not 0 < length <= MAX_PAYLOAD or stop > end:
-            break
-        payload = view[start:stop]
-        if crc32(payload) != crc:
-            break
-        try:
-            append(decode(payload))
-        except msgspec.DecodeError as exc:
-            raise UnreadableJournal(f"intact frame at byte {pos} does not decode: {exc}") from exc
-        pos = stop
-    return records, pos
+        if 0 < length <= MAX_PAYLOAD and stop <= size and crc32(view[start:stop]) == crc:
+            try:
+                append(decode(view[start:stop]))
+            except msgspec.DecodeError as exc:
+                skipped.append((pos, stop, f"intact frame does not decode: {exc}"))
+            pos = good = stop
+            continue
+        resume = _resync(data, view, pos)
+        if resume is None:
+            break  # a torn tail
+        skipped.append((pos, resume, "frame fails its checksum"))
+        pos = good = resume
+    return Frames(records, good, skipped)
+
+
+def _resync(data: bytes, view: memoryview, bad: int) -> int | None:
+    """Where the first intact frame after the damaged one at `bad` starts, if anywhere.
+
+    Every later position that could start a frame is tried, in order: a frame's own
+    length cannot be trusted once it fails its checksum (a flipped length byte can
+    point past intact frames). A candidate must decode as a record before its
+    checksum is even computed, so garbage costs a failed parse of a few bytes, not a
+    CRC over a made-up length; a false match also needs the 32-bit checksum to agree.
+    """
+    for match in _PAYLOAD_START.finditer(data, bad + 1 + _HEADER.size):
+        candidate = match.start() - _HEADER.size
+        if _intact(data, view, candidate):
+            return candidate
+    return None
+
+
+def _intact(data: bytes, view: memoryview, pos: int) -> bool:
+    if pos + _HEADER.size > len(data):
+        return False
+    length, crc = _HEADER.unpack_from(data, pos)
+    start = pos + _HEADER.size
+    stop = start + length
+    if not 0 < length <= MAX_PAYLOAD or stop > len(data):
+        return False
+    payload = view[start:stop]
+    try:
+        _decoder.decode(payload)
+    except msgspec.DecodeError:
+        return False
+    return zlib.crc32(payload) == crc
 
 
 def list_segments(directory: Path) -> list[Path]:
@@ -124,7 +165,7 @@ class JournalWriter:
         try:
             write_all(self._fd, data)
             os.fdatasync(self._fd)
-        except OSError:
+        except BaseException:  # not only I/O errors: whatever failed, the batch did
             self._roll_back()
             raise
         self.size += len(data)
@@ -162,60 +203,78 @@ class ReplayResult(msgspec.Struct):
     state: JournalState
     segments: int  # segments replayed
     records: int  # records applied
-    dropped_bytes: int  # torn or corrupt tails
+    dropped_bytes: int  # the torn tail of the last segment (a crash mid-append)
     last_segment: Path | None
     obsolete: list[Path]  # segments older than the last snapshot: the caller may delete them
-    warnings: list[str]
+    skipped_frames: int  # damaged stretches passed over, each at least one frame
+    skipped_bytes: int
+    damage: list[str]  # one line per damaged stretch or unreadable segment
 
 
 def replay(directory: Path, *, repair: bool = True) -> ReplayResult:
     """Rebuild the state from the journal, cutting a torn tail off the last segment.
 
-    With repair=False nothing on disk is changed (a second reader of a journal
-    that its owner has already repaired).
+    Damage never stops a replay: it is skipped and described in `damage`. With
+    repair=False nothing on disk is changed (a second reader of a journal that its
+    owner has already repaired).
     """
     paths = list_segments(directory)
     # Newest first, so that segments older than the last snapshot are never read.
-    decoded: list[tuple[Path, list[Record], int, int]] = []
-    for path in reversed(paths):
-        data = path.read_bytes()
+    decoded: list[tuple[Path, Frames, int]] = []
+    damage: list[str] = []
+    obsolete: list[Path] = []
+    for index in range(len(paths) - 1, -1, -1):
+        path = paths[index]
         try:
-            records, valid = decode_frames(data)
-        except UnreadableJournal as exc:
-            raise UnreadableJournal(f"{path}: {exc}") from None
-        decoded.append((path, records, valid, len(data)))
-        if any(type(rec) is SnapshotDone for rec in records):
+            data = path.read_bytes()
+        except OSError as exc:
+            damage.append(f"journal segment {path.name}: unreadable: {exc.strerror}")
+            continue
+        frames = decode_frames(data)
+        decoded.append((path, frames, len(data)))
+        # A snapshot with a hole is no base: older segments may hold what it lost.
+        if not frames.skipped and any(type(rec) is SnapshotDone for rec in frames.records):
+            obsolete = paths[:index]
             break
     decoded.reverse()
 
     state = JournalState()
     apply = state.apply
-    count = dropped = 0
-    warnings: list[str] = []
-    for path, records, valid, size in decoded:
-        for rec in records:
+    count = dropped = skipped_bytes = 0
+    skipped_frames = len(damage)
+    for path, frames, size in decoded:
+        for rec in frames.records:
             apply(rec)
-        count += len(records)
-        if valid == size:
+        count += len(frames.records)
+        for start, stop, problem in frames.skipped:
+            damage.append(f"journal segment {path.name}: bytes {start}-{stop} skipped: {problem}")
+            skipped_bytes += stop - start
+        skipped_frames += len(frames.skipped)
+        if frames.end == size:
             continue
-        dropped += size - valid
         if path == paths[-1]:
+            dropped += size - frames.end
             if repair:
-                _truncate(path, valid)
+                _truncate(path, frames.end)
         else:
-            # The writer gave up on this segment after a failed append and moved on.
-            warnings.append(
-                f"journal segment {path.name}: ignored {size - valid} bytes of torn or"
-                f" corrupt records after byte {valid}"
+            # The writer gave up on this segment after a failed append and moved on,
+            # or the disk lost its end.
+            damage.append(
+                f"journal segment {path.name}: {size - frames.end} bytes after byte"
+                f" {frames.end} skipped: no intact frame"
             )
+            skipped_frames += 1
+            skipped_bytes += size - frames.end
     return ReplayResult(
         state=state,
         segments=len(decoded),
         records=count,
         dropped_bytes=dropped,
         last_segment=paths[-1] if paths else None,
-        obsolete=paths[: len(paths) - len(decoded)],
-        warnings=warnings,
+        obsolete=obsolete,
+        skipped_frames=skipped_frames,
+        skipped_bytes=skipped_bytes,
+        damage=damage,
     )
 
 

@@ -39,8 +39,18 @@ class SpoolLayout:
         return [self.messages / f"{a:X}" / f"{b:02X}" for a in range(16) for b in range(256)]
 
     def create(self) -> None:
-        """Make every directory up front, so the accept path never calls mkdir."""
-        for path in (self.root, self.journal, self.quarantine):
-            path.mkdir(parents=True, exist_ok=True)
+        """Make every directory up front, so the accept path never calls mkdir.
+
+        All private to the daemon's user (0700): file names are queue ids, and the
+        files hold the mail. A spool made by an older version is tightened at its
+        top, which closes everything below it.
+        """
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for path in (self.root, self.journal, self.quarantine, self.messages):
+            path.mkdir(mode=0o700, exist_ok=True)
+            if path.stat().st_mode & 0o777 != 0o700:
+                path.chmod(0o700)
+        for a in range(16):
+            (self.messages / f"{a:X}").mkdir(mode=0o700, exist_ok=True)
         for path in self.all_message_dirs():
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, exist_ok=True)

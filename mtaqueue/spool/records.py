@@ -59,21 +59,29 @@ class JournalState:
 
     Keys outlive their messages until `forget_keys_before` drops them, so whoever
     checks a key must still compare its `created` with the dedupe window.
+
+    `deleted` holds the tombstones: messages whose Delete was read, by id (-> reason).
+    Recovery re-adopts a message file the journal does not know, so a Delete may be
+    forgotten only once its file is gone for good; until the writer has made sure of
+    that (`SpoolWriter._bury`), snapshots carry the Delete.
     """
 
     def __init__(self) -> None:
         self.messages: dict[str, Message] = {}
         self.keys: dict[str, tuple[str, float]] = {}
         self.suppressed: dict[str, Suppress] = {}  # address (lower case) -> entry
+        self.deleted: dict[str, str] = {}
 
     def apply(self, rec: Record) -> None:
         if type(rec) is Put:
             message = rec.message
             self.messages[message.id] = message
+            self.deleted.pop(message.id, None)
             if message.idempotency_key is not None:
                 self._keep(message.idempotency_key, message.id, message.created)
         elif type(rec) is Delete:
             self.messages.pop(rec.id, None)
+            self.deleted[rec.id] = rec.reason
         elif type(rec) is KeyKept:
             self._keep(rec.key, rec.id, rec.created)
         elif type(rec) is Suppress:
@@ -109,5 +117,6 @@ class JournalState:
             if live is None or live.idempotency_key != key or live.created != created:
                 records.append(KeyKept(key, queue_id, created))
         records.extend(self.suppressed.values())
+        records.extend(Delete(queue_id, reason) for queue_id, reason in self.deleted.items())
         records.append(SnapshotDone())
         return records

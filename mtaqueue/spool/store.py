@@ -6,18 +6,24 @@ daemon's changes are queued here and sent as one batch whenever the writer is
 idle; each change's future resolves only once the writer has synced it, so a
 250 reply never precedes the disk. The index (`messages`) is updated on the
 event loop when a batch comes back.
+
+If the writer dies, it is started again (with a backoff if it keeps dying) and
+nothing waiting is lost: of the batch it had in flight, the accepts are asked of
+the new writer (is the file on disk?) and the other changes are sent again
+(they are idempotent). Meanwhile new mail is refused (`refusal`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -29,8 +35,10 @@ from .layout import SpoolLayout
 from .message_file import read_content
 from .records import Suppress, Unsuppress
 from .writer import (
+    ERROR,
     FULL,
     Accept,
+    Adopt,
     Batch,
     BatchResult,
     Op,
@@ -43,6 +51,13 @@ from .writer import (
 log = get_logger("spool")
 
 WRITER_START_TIMEOUT = 60.0
+# A writer that ran this long before dying is restarted at once; one that dies sooner
+# waits, twice as long each time, up to the cap.
+WRITER_STABLE = 30.0
+WRITER_BACKOFF_FIRST = 0.5
+WRITER_BACKOFF_MAX = 30.0
+WRITER_DOWN = "451 4.3.0 Spool writer restarting, try again later"
+DISK_LOW = "452 4.3.1 Insufficient system storage"
 
 
 class StorageFull(Exception):
@@ -62,9 +77,12 @@ class RecoveryReport:
     messages: int
     journal_records: int
     journal_segments: int
-    dropped_bytes: int
-    warnings: list[str]
+    dropped_bytes: int  # a torn tail, cut off
+    skipped_frames: int
+    skipped_bytes: int
+    damage: list[str]
     seconds: float
+    deleted: set[str] = field(default_factory=set)  # tombstones, for the sweep
 
 
 class Spool:
@@ -86,23 +104,39 @@ class Spool:
         self.ids = IdGenerator()
         self.free_bytes = 0
         self.disk_ok = True  # above spool.min_free
-        self.writer_ok = False
         self.on_commit: Callable[[Message], None] | None = None
-        self.on_writer_lost: Callable[[], None] | None = None
         self._pending_keys: dict[str, asyncio.Future] = {}
         self._queue: list[tuple[Op, asyncio.Future]] = []
         self._inflight: list[tuple[Op, asyncio.Future]] | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(BatchResult)
-        self._link: _WriterLink | None = None
+        self._link: _WriterLink | None = None  # set while a writer is up and ready
         self._process: asyncio.subprocess.Process | None = None
-        self._closing = False
+        self._restarting: asyncio.Task | None = None
+        self._writer_since = 0.0  # monotonic: when the current writer became ready
+        self._down_since: float | None = None  # monotonic: when the last writer died
+        self._backoff = 0.0
+        self._progress = 0.0  # monotonic: last answer from the writer, or work began waiting
+        self._closed = False
         self._lock_fd = -1
 
     @property
+    def refusal(self) -> str | None:
+        """Why new mail cannot be taken now, as the SMTP reply; None when it can."""
+        if self._link is None:
+            return WRITER_DOWN
+        return None if self.disk_ok else DISK_LOW
+
+    @property
     def storage_ok(self) -> bool:
-        """Whether new mail can be taken: writer alive and enough free space."""
-        return self.writer_ok and self.disk_ok
+        return self.refusal is None
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds for which changes have waited without the writer answering any, or
+        the writer has been down (`now` is time.monotonic())."""
+        waiting = now - self._progress if self._queue or self._inflight is not None else 0.0
+        down = now - self._down_since if self._down_since is not None else 0.0
+        return max(waiting, down)
 
     # -- start and stop ----------------------------------------------------------
 
@@ -125,50 +159,133 @@ class Spool:
             journal_records=result.records,
             journal_segments=result.segments,
             dropped_bytes=result.dropped_bytes,
-            warnings=list(result.warnings),
+            skipped_frames=result.skipped_frames,
+            skipped_bytes=result.skipped_bytes,
+            damage=result.damage,
             seconds=time.monotonic() - started,
+            deleted=set(result.state.deleted),
         )
 
     async def start(self) -> None:
         """Spawn the writer and wait until it has read the journal."""
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        self._process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "mtaqueue.spool.writer",
-            str(self.layout.root),
-            "--fd",
-            str(theirs.fileno()),
-            "--compact-size",
-            str(self._compact_size),
-            "--dedupe-window",
-            str(self.dedupe_window),
-            pass_fds=(theirs.fileno(),),
-        )
-        theirs.close()
-        link = _WriterLink(self)
-        await loop.create_connection(lambda: link, sock=ours)
-        try:
-            await asyncio.wait_for(link.ready, WRITER_START_TIMEOUT)
-        except (TimeoutError, ConnectionError) as exc:
-            raise StorageError(f"spool writer did not start: {exc!r}") from None
-        self._link = link
-        self.writer_ok = True
+        await self._spawn()
         self._send()
 
-    async def close(self) -> None:
-        """Commit what is queued, end the writer, release the spool."""
-        self._closing = True
-        while (self._queue or self._inflight) and self.writer_ok:
+    async def _spawn(self) -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "mtaqueue.spool.writer",
+                str(self.layout.root),
+                "--fd",
+                str(theirs.fileno()),
+                "--compact-size",
+                str(self._compact_size),
+                "--dedupe-window",
+                str(self.dedupe_window),
+                pass_fds=(theirs.fileno(),),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        link = _WriterLink(self)
+        try:
+            await loop.create_connection(lambda: link, sock=ours)
+            await asyncio.wait_for(link.ready, WRITER_START_TIMEOUT)
+        except BaseException as exc:
+            # Not ready in time, died while starting, or we are closing: never leave it behind.
+            if link.transport is not None:
+                link.transport.close()
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+            if isinstance(exc, TimeoutError | ConnectionError):
+                raise StorageError(f"spool writer did not start: {exc!r}") from None
+            raise
+        self._link, self._process = link, process
+        self._writer_since = time.monotonic()
+        self._down_since = None
+
+    def _writer_lost(self, link: _WriterLink) -> None:
+        if link is not self._link:
+            return  # one that failed to start, or the one close() ended
+        self._link = None
+        self._down_since = time.monotonic()
+        self._restarting = asyncio.ensure_future(self._restart())
+
+    async def _restart(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            # It closed its end: it is dead or dying. Its threads must be gone before
+            # a new writer looks at the files it may have been writing.
+            try:
+                await asyncio.wait_for(process.wait(), 5.0)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        lived = time.monotonic() - self._writer_since
+        self._backoff = 0.0 if lived >= WRITER_STABLE else self._longer_backoff()
+        log.critical(
+            "spool_writer_lost",
+            returncode=process.returncode if process else None,
+            in_flight=len(self._inflight or ()),
+            queued=len(self._queue),
+            restart_in=self._backoff,
+        )
+        while True:
+            await asyncio.sleep(self._backoff)
+            try:
+                await self._spawn()
+                break
+            except Exception as exc:  # whatever it is, giving up would refuse mail for good
+                self._backoff = self._longer_backoff()
+                log.error("spool_writer_start_failed", error=repr(exc), retry_in=self._backoff)
+        self._restarting = None
+        # The batch in flight may or may not have reached the disk. For its accepts the
+        # new writer looks at the files (and journals those it finds); the other
+        # changes are sent again.
+        inflight, self._inflight = self._inflight or [], None
+        again = [(Adopt(op.message) if isinstance(op, Accept) else op, f) for op, f in inflight]
+        self._queue = again + self._queue
+        log.warning("spool_writer_restarted", resent=len(again))
+        self._send()
+
+    def _longer_backoff(self) -> float:
+        return min(max(2 * self._backoff, WRITER_BACKOFF_FIRST), WRITER_BACKOFF_MAX)
+
+    async def close(self, timeout: float) -> bool:
+        """Commit what is queued (for up to `timeout` seconds), end the writer, release
+        the spool. False if changes had to be given up."""
+        deadline = time.monotonic() + timeout
+        while (self._queue or self._inflight is not None) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if self._link is not None and self._link.transport is not None:
-            self._link.transport.close()  # EOF: the writer finishes and exits
+        self._closed = True
+        if self._restarting is not None:
+            self._restarting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._restarting
+        left = (self._inflight or []) + self._queue
+        self._inflight, self._queue = None, []
+        for op, future in left:
+            self._fail(op, future, StorageError("spool closed"))
+        if left:
+            log.error("spool_close_incomplete", given_up=len(left))
+        link, self._link = self._link, None
+        if link is not None and link.transport is not None:
+            link.transport.close()  # EOF: the writer finishes its round and exits
         if self._process is not None:
-            await self._process.wait()
+            # Killing it past the deadline loses nothing: what it answered is durable,
+            # and a crash mid-round (or mid-compaction) is one that recovery handles.
+            await _end(self._process, max(deadline - time.monotonic(), 0.2))
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+        return not left
 
     def _lock(self) -> None:
         fd = os.open(self.layout.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -199,10 +316,19 @@ class Spool:
             pending = self._pending_keys.get(key)
             if pending is not None:
                 return pending
+        if self._restarting is not None:  # refused at once, not held for an unknown time
+            future = asyncio.get_running_loop().create_future()
+            future.set_exception(StorageError("spool writer restarting"))
+            return future
         future = self._enqueue(Accept(message, content))
         if key is not None:
             self._pending_keys[key] = future
         return future
+
+    def adopt(self, message: Message) -> asyncio.Future:
+        """Journal a message whose file is on disk but unknown to the journal (the
+        start-up sweep); once durable it is queued like a new one."""
+        return self._enqueue(Adopt(message))
 
     def update(self, message: Message) -> asyncio.Future:
         """Journal a changed record of a queued message.
@@ -248,75 +374,123 @@ class Spool:
 
     def _enqueue(self, op: Op) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
-        if not self.writer_ok and self._link is not None:
-            future.set_exception(StorageError("spool writer is not running"))
+        if self._closed:
+            future.set_exception(StorageError("spool closed"))
             return future
+        if not self._queue and self._inflight is None:
+            self._progress = time.monotonic()  # work waits from now on
         self._queue.append((op, future))
-        if self._inflight is None:
-            self._send()
+        self._send()
         return future
 
     def _send(self) -> None:
-        if not self._queue or self._link is None or self._link.transport is None:
+        """Send what is queued as one batch, unless one is in flight or no writer is up."""
+        if self._inflight is not None or not self._queue or self._link is None:
+            return
+        transport = self._link.transport
+        if transport is None:
             return
         batch, self._queue = self._queue, []
+        try:
+            payload = self._encoder.encode(Batch([op for op, _ in batch]))
+        except Exception:
+            batch = self._encodable(batch)
+            if not batch:
+                return
+            payload = self._encoder.encode(Batch([op for op, _ in batch]))
         self._inflight = batch
-        payload = self._encoder.encode(Batch([op for op, _ in batch]))
-        self._link.transport.write(frame(payload))
+        transport.write(frame(payload))
+
+    def _encodable(self, batch: list[tuple[Op, asyncio.Future]]) -> list[tuple[Op, asyncio.Future]]:
+        """The changes of a batch that encode; the others fail alone (a bug upstream,
+        such as a string msgpack cannot hold, must not take the spool down with it)."""
+        good = []
+        for op, future in batch:
+            try:
+                self._encoder.encode(op)
+            except Exception as exc:
+                log.error("spool_unencodable", op=type(op).__name__, error=repr(exc))
+                self._fail(op, future, StorageError(f"cannot be stored: {exc}"))
+            else:
+                good.append((op, future))
+        return good
 
     def _answered(self, payload: bytes) -> None:
         """A batch is durable (or failed): publish it, then send the next one."""
-        outcomes = self._decoder.decode(payload).outcomes
         batch, self._inflight = self._inflight or [], None
-        self.refresh_free_space()
+        self._progress = time.monotonic()
+        try:
+            outcomes = self._decoder.decode(payload).outcomes
+        except msgspec.DecodeError:
+            outcomes = []
+        if len(outcomes) != len(batch):
+            outcomes = [f"{ERROR}the spool writer could not read the batch"] * len(batch)
+        try:
+            self.refresh_free_space()
+        except OSError as exc:
+            log.error("spool_statvfs_failed", error=str(exc))
         for (op, future), outcome in zip(batch, outcomes, strict=True):
-            if isinstance(op, Accept):
-                key = op.message.idempotency_key
-                if key is not None and self._pending_keys.get(key) is future:
-                    del self._pending_keys[key]
-            if future.done():
-                continue
-            if outcome:
-                text = outcome.partition(":")[2]
-                future.set_exception(
-                    StorageFull(text) if outcome.startswith(FULL) else StorageError(text)
-                )
-                continue
-            if isinstance(op, Remove):
-                future.set_result(op.id)
-                continue
-            if isinstance(op, Suppress):
-                self.suppressed[op.address] = op
-                future.set_result(op.address)
-                continue
-            if isinstance(op, Unsuppress):
-                self.suppressed.pop(op.address, None)
-                future.set_result(op.address)
-                continue
-            message = op.message
-            if isinstance(op, Accept):
-                self.messages[message.id] = message
-                if message.idempotency_key is not None:
-                    self.keys[message.idempotency_key] = (message.id, message.created)
-                if self.on_commit is not None:
-                    self.on_commit(message)
-            future.set_result(message.id)
+            try:
+                self._resolve(op, future, outcome)
+            except Exception as exc:  # a bug here must not strand the rest of the batch
+                log.exception("spool_resolve_failed", op=type(op).__name__)
+                if not future.done():
+                    future.set_exception(StorageError(repr(exc)))
         self._send()
 
-    def _writer_lost(self) -> None:
-        if not self.writer_ok:
+    def _resolve(self, op: Op, future: asyncio.Future, outcome: str) -> None:
+        if outcome:
+            text = outcome.partition(":")[2]
+            self._fail(
+                op, future, StorageFull(text) if outcome.startswith(FULL) else StorageError(text)
+            )
             return
-        self.writer_ok = False
-        if self._closing and not self._queue and not self._inflight:
-            return
-        log.critical("spool_writer_lost")
-        for _, future in (self._inflight or []) + self._queue:
-            if not future.done():
-                future.set_exception(StorageError("spool writer exited"))
-        self._inflight, self._queue = None, []
-        self._pending_keys.clear()
-        if self.on_writer_lost is not None:
-            self.on_writer_lost()
+        self._forget_pending_key(op, future)
+        if isinstance(op, Remove):
+            result = op.id
+        elif isinstance(op, Suppress):
+            self.suppressed[op.address] = op
+            result = op.address
+        elif isinstance(op, Unsuppress):
+            self.suppressed.pop(op.address, None)
+            result = op.address
+        else:
+            result = op.message.id
+        if not future.done():
+            future.set_result(result)
+        if isinstance(op, Accept | Adopt):  # durable: queued, whoever still waits for it
+            message = op.message
+            self.messages[message.id] = message
+            if message.idempotency_key is not None:
+                self.keys[message.idempotency_key] = (message.id, message.created)
+            if self.on_commit is not None:
+                self.on_commit(message)
+
+    def _fail(self, op: Op, future: asyncio.Future, exc: Exception) -> None:
+        self._forget_pending_key(op, future)
+        if not future.done():
+            future.set_exception(exc)
+
+    def _forget_pending_key(self, op: Op, future: asyncio.Future) -> None:
+        if isinstance(op, Accept | Adopt):
+            key = op.message.idempotency_key
+            if key is not None and self._pending_keys.get(key) is future:
+                del self._pending_keys[key]
+
+
+async def _end(process: asyncio.subprocess.Process, timeout: float) -> None:
+    """Wait for the writer to exit; kill it if it does not within `timeout` (stuck)."""
+    try:
+        await asyncio.wait_for(process.wait(), timeout)
+        return
+    except TimeoutError:
+        pass
+    log.error("spool_writer_killed", pid=process.pid)
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+    # Even SIGKILL waits for a syscall stuck in the kernel: do not wait forever.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(process.wait(), 1.0)
 
 
 class _WriterLink(asyncio.Protocol):
@@ -336,11 +510,11 @@ class _WriterLink(asyncio.Protocol):
         for payload in split_frames(self._buffer):
             if not self.ready.done():
                 self.ready.set_result(None)  # the writer's "ready" frame
-            else:
+            elif self.spool._link is self:
                 self.spool._answered(payload)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         if not self.ready.done():
             self.ready.set_exception(ConnectionError("spool writer exited while starting"))
-        self.spool._writer_lost()
+        self.spool._writer_lost(self)

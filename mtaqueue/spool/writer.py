@@ -20,6 +20,7 @@ round are appended with one fdatasync.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -33,7 +34,7 @@ import msgspec
 
 from ..model import Message
 from . import journal
-from .durable import fsync_dir, is_disk_full, write_all
+from .durable import fsync_dir, fsync_path, is_disk_full, write_all
 from .layout import SpoolLayout
 from .message_file import prelude_and_header
 from .records import Delete, JournalState, Put, Record, Suppress, Unsuppress
@@ -56,8 +57,19 @@ class Remove(msgspec.Struct, tag=2, array_like=True, frozen=True):
     reason: str
 
 
-# Suppression list changes are journal records as they are.
-Op = Accept | Update | Remove | Suppress | Unsuppress
+class Adopt(msgspec.Struct, tag=6, array_like=True, frozen=True):
+    """A message whose file is already in place: make the file and a Put of it durable.
+
+    For a file the journal does not know (the start-up sweep), and, after a writer
+    died, for each accept it had in flight: whatever of it reached the disk, the file
+    decides. Never for a message with a tombstone: that would bring it back.
+    """
+
+    message: Message
+
+
+# Suppression list changes are journal records as they are (tags 4 and 5).
+Op = Accept | Update | Remove | Suppress | Unsuppress | Adopt
 
 
 class Batch(msgspec.Struct, array_like=True, frozen=True):
@@ -65,6 +77,7 @@ class Batch(msgspec.Struct, array_like=True, frozen=True):
 
 
 # An outcome per op: "" = durable, "full:<text>" = no space, "error:<text>" = I/O error.
+# A result with fewer outcomes than ops means the writer could not read the batch.
 class BatchResult(msgspec.Struct, array_like=True, frozen=True):
     outcomes: list[str]
 
@@ -99,6 +112,13 @@ class SpoolWriter:
         self.dedupe_window = dedupe_window
         # The daemon has already repaired the journal; this is a second reading of it.
         self.state: JournalState = journal.replay(self.layout.journal, repair=False).state
+        # A writer that died may have left appends that were read just now but never
+        # synced; the daemon is about to rely on them (Adopt), so make them durable.
+        # (A segment that cannot even be opened was skipped by the replay; the
+        # compaction below rewrites everything it read.)
+        for path in journal.list_segments(self.layout.journal):
+            with contextlib.suppress(OSError):
+                fsync_path(path)
         self.journal = journal.JournalWriter(self.layout.journal)
         self._base_size = 0  # journal size right after the last compaction
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="spool-io")
@@ -107,36 +127,57 @@ class SpoolWriter:
 
     def commit(self, ops: list[Op]) -> list[str]:
         outcomes = [OK] * len(ops)
-        accepts = [i for i, op in enumerate(ops) if isinstance(op, Accept)]
-        files = self._pool.map(self._write_file, [ops[i] for i in accepts])
+        # Records first: one the journal cannot take fails its op before any file is written.
+        records: list[Record | None] = [None] * len(ops)
+        frames = [b""] * len(ops)
+        for i, op in enumerate(ops):
+            if isinstance(op, Adopt) and op.message.id in self.state.messages:
+                continue  # journaled already (by the writer that died): the file decides
+            rec = _record(op)
+            try:
+                frames[i] = journal.encode(rec)
+            except Exception as exc:
+                outcomes[i] = f"{ERROR}cannot journal: {exc}"
+            else:
+                records[i] = rec
+        files = [i for i, op in enumerate(ops) if isinstance(op, Accept | Adopt)]
+        files = [i for i in files if not outcomes[i]]
+        placed = self._pool.map(self._place, [ops[i] for i in files])
         written = []
-        for i, outcome in zip(accepts, files, strict=True):
+        for i, outcome in zip(files, placed, strict=True):
             if outcome:
                 outcomes[i] = outcome
             else:
                 written.append(i)
         self._sync_dirs(ops, written, outcomes)
 
-        records = []
-        for op, outcome in zip(ops, outcomes, strict=True):
-            if not outcome:
-                records.append(_record(op))
-        if records:
+        done = [i for i, outcome in enumerate(outcomes) if not outcome]
+        data = b"".join(frames[i] for i in done)
+        if data:
             try:
-                self.journal.append(b"".join(journal.encode(rec) for rec in records))
-            except OSError as exc:
-                failure = _outcome(exc)
+                self.journal.append(data)
+            except Exception as exc:
+                failure = _outcome(exc) if isinstance(exc, OSError) else f"{ERROR}{exc!r}"
                 for i in written:  # never acknowledged: do not leave them behind
-                    self.layout.message_path(ops[i].message.id).unlink(missing_ok=True)
+                    if isinstance(ops[i], Accept):  # an adopted file was there before
+                        with contextlib.suppress(OSError):  # else re-adopted at the next start
+                            self.layout.message_path(ops[i].message.id).unlink(missing_ok=True)
                 return [outcome or failure for outcome in outcomes]
-            for rec in records:
-                self.state.apply(rec)
-        for op, outcome in zip(ops, outcomes, strict=True):
-            if isinstance(op, Remove) and not outcome:
-                self.layout.message_path(op.id).unlink(missing_ok=True)
+        # Durable from here on: nothing below may fail the batch.
+        for i in done:
+            rec = records[i]
+            if rec is None:
+                continue
+            self.state.apply(rec)
+            if type(rec) is Delete:
+                with contextlib.suppress(OSError):  # the tombstone stays until _bury manages
+                    self.layout.message_path(rec.id).unlink(missing_ok=True)
         if self.journal.size > max(self.compact_size, 2 * self._base_size):
             self.compact()
         return outcomes
+
+    def _place(self, op: Accept | Adopt) -> str:
+        return self._write_file(op) if isinstance(op, Accept) else self._sync_file(op)
 
     def _write_file(self, op: Accept) -> str:
         """temp file, write, fsync, rename: the file appears whole or not at all."""
@@ -157,6 +198,20 @@ class SpoolWriter:
             return _outcome(exc)
         return OK
 
+    def _sync_file(self, op: Adopt) -> str:
+        queue_id = op.message.id
+        if queue_id in self.state.deleted:
+            return f"{ERROR}message {queue_id} was removed"
+        # A temp file is an interrupted write (the rename comes after its fsync).
+        self.layout.tmp_path(queue_id).unlink(missing_ok=True)
+        try:
+            fsync_path(self.layout.message_path(queue_id))
+        except FileNotFoundError:
+            return f"{ERROR}message file {queue_id} is not on disk"
+        except OSError as exc:
+            return _outcome(exc)
+        return OK
+
     def _sync_dirs(self, ops: list[Op], written: list[int], outcomes: list[str]) -> None:
         dirs: dict[Path, list[int]] = {}
         for i in written:
@@ -171,13 +226,34 @@ class SpoolWriter:
 
     def compact(self) -> None:
         now = time.time()
+        self._bury()
         self.state.forget_keys_before(now - self.dedupe_window)
         self.state.forget_suppressions_before(now)
         try:
             journal.compact(self.journal, self.state)
-        except OSError:
+        except Exception:
             return  # tried again after a later round; the old segments are intact
         self._base_size = self.journal.size
+
+    def _bury(self) -> None:
+        """Make sure the files of deleted messages are gone for good, so that the next
+        snapshot may forget their Delete records: a file that outlived its record would
+        be re-adopted. Unlinked again because after a restart nobody knows which
+        unlinks happened; a directory fsync makes them durable."""
+        dirs: dict[Path, list[str]] = {}
+        for queue_id in self.state.deleted:
+            try:
+                self.layout.message_path(queue_id).unlink(missing_ok=True)
+            except OSError:
+                continue  # the tombstone stays in the snapshot
+            dirs.setdefault(self.layout.message_dir(queue_id), []).append(queue_id)
+        for directory, buried in dirs.items():
+            try:
+                fsync_dir(directory)
+            except OSError:
+                continue
+            for queue_id in buried:
+                del self.state.deleted[queue_id]
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -187,7 +263,7 @@ class SpoolWriter:
 def _record(op: Op) -> Record:
     if isinstance(op, Remove):
         return Delete(op.id, op.reason)
-    if isinstance(op, Accept | Update):
+    if isinstance(op, Accept | Update | Adopt):
         return Put(op.message)
     return op
 
@@ -207,8 +283,20 @@ def serve(sock: socket.socket, writer: SpoolWriter) -> None:
             return
         buffer += data
         for payload in split_frames(buffer):
-            outcomes = writer.commit(decoder.decode(payload).ops)
-            sock.sendall(frame(encoder.encode(BatchResult(outcomes))))
+            sock.sendall(frame(encoder.encode(BatchResult(_answer(writer, decoder, payload)))))
+
+
+def _answer(writer: SpoolWriter, decoder: msgspec.msgpack.Decoder, payload: bytes) -> list[str]:
+    """The outcomes of one batch. A bug fails its batch, it does not end the writer:
+    the daemon answers 451 for it and goes on with the next one."""
+    try:
+        ops = decoder.decode(payload).ops
+    except msgspec.DecodeError:
+        return []
+    try:
+        return writer.commit(ops)
+    except Exception as exc:
+        return [f"{ERROR}spool writer failed: {exc!r}"] * len(ops)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     sock.sendall(frame(b"ready"))
     try:
         serve(sock, writer)
-    except BrokenPipeError:
-        pass  # the daemon died; everything we answered for is on disk
+    except ConnectionError:
+        pass  # the daemon died (EPIPE or ECONNRESET); everything we answered for is on disk
     finally:
         writer.close()
     return 0

@@ -1,0 +1,135 @@
+"""The daemon's side of the spool with its real writer process: what one bad change,
+a dead writer or a stop may and may not do to everything else."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import msgspec
+import pytest
+
+from mtaqueue.model import Message, Recipient
+from mtaqueue.spool.layout import SpoolLayout
+from mtaqueue.spool.store import WRITER_DOWN, Spool, StorageError
+
+
+def new_spool(root) -> Spool:
+    return Spool(root, min_free=lambda total: 0, compact_size=1 << 20, dedupe_window=86400.0)
+
+
+def message(spool: Spool, **fields) -> Message:
+    now = time.time()
+    record = Message(
+        id=spool.ids.next(now),
+        sender="app@example.com",
+        recipients=(Recipient("a@example.org"),),
+        created=now,
+        size=5,
+        klass="p1",
+    )
+    return msgspec.structs.replace(record, **fields)
+
+
+async def started(root) -> Spool:
+    spool = new_spool(root)
+    spool.open()
+    await spool.start()
+    return spool
+
+
+def queued_after_restart(root) -> set[str]:
+    spool = new_spool(root)
+    spool.open()
+    try:
+        return set(spool.messages)
+    finally:
+        os.close(spool._lock_fd)
+
+
+def test_a_change_msgpack_cannot_encode_fails_alone_and_the_spool_goes_on(tmp_path):
+    # A lone surrogate (what a lax xtext decoder produced): msgpack refuses the string.
+    async def main() -> tuple[str, str]:
+        spool = await started(tmp_path)
+        bad = spool.accept(message(spool, envid="\udcff"), b"bad\r\n")
+        with pytest.raises(StorageError, match="cannot be stored"):
+            await asyncio.wait_for(bad, 10)
+        after = await asyncio.wait_for(spool.accept(message(spool), b"after\r\n"), 10)
+        # The same in the middle of a batch: the others in it commit.
+        first = spool.accept(message(spool), b"first\r\n")  # sent at once
+        worse = spool.accept(message(spool, sender="\udcff@example.com"), b"x\r\n")
+        same_batch = spool.accept(message(spool), b"same batch\r\n")
+        results = await asyncio.wait_for(
+            asyncio.gather(first, worse, same_batch, return_exceptions=True), 10
+        )
+        assert isinstance(results[1], StorageError)
+        assert await spool.close(5) is True
+        return after, results[2]
+
+    after, same_batch = asyncio.run(main())
+    assert {after, same_batch} <= queued_after_restart(tmp_path)  # durable
+
+
+def test_close_ends_within_its_timeout_when_the_writer_hangs(tmp_path):
+    async def main() -> None:
+        spool = await started(tmp_path)
+        os.kill(spool._process.pid, signal.SIGSTOP)  # a writer stuck in an fsync, say
+        pending = spool.accept(message(spool), b"never answered\r\n")
+        began = time.monotonic()
+        assert await spool.close(1.0) is False
+        assert time.monotonic() - began < 1.0 + 3.0  # the timeout, and some slack
+        with pytest.raises(StorageError):
+            await pending
+
+    asyncio.run(main())
+
+
+def test_a_dead_writer_is_restarted_and_nothing_waiting_is_lost(tmp_path):
+    async def main() -> None:
+        spool = await started(tmp_path)
+        kept = message(spool)
+        await spool.accept(kept, b"kept\r\n")
+        first = spool._process.pid
+        os.kill(first, signal.SIGSTOP)  # hold the next batch in flight
+        inflight = spool.accept(message(spool), b"in flight\r\n")
+        held = msgspec.structs.replace(kept, held=True)
+        update = spool.update(held)  # queued behind it
+        await asyncio.sleep(0.2)
+        os.kill(first, signal.SIGKILL)
+        while spool.refusal != WRITER_DOWN:
+            await asyncio.sleep(0.01)
+        with pytest.raises(StorageError, match="restarting"):
+            await spool.accept(message(spool), b"refused while restarting\r\n")
+        # Whether the in-flight accept reached the disk decides its answer; the writer
+        # was stopped before it could write, so: not on disk, 451.
+        with pytest.raises(StorageError, match="not on disk"):
+            await asyncio.wait_for(inflight, 30)
+        assert await asyncio.wait_for(update, 30) == kept.id
+        assert spool._process.pid != first and spool.refusal is None
+        later = await asyncio.wait_for(spool.accept(message(spool), b"later\r\n"), 10)
+        assert await spool.close(5) is True
+        queued = new_spool(tmp_path)
+        queued.open()
+        assert set(queued.messages) == {kept.id, later}
+        assert queued.messages[kept.id].held  # the re-sent update
+
+    asyncio.run(main())
+
+
+def test_spool_directories_are_private(tmp_path):
+    legacy = tmp_path / "old"
+    (legacy / "journal").mkdir(parents=True, mode=0o755)
+    legacy.chmod(0o755)
+    for root in (tmp_path / "new", legacy):
+        layout = SpoolLayout(root)
+        layout.create()
+        dirs = [root, *(p for p in root.rglob("*") if p.is_dir())]
+        assert len(dirs) == 1 + 3 + 16 + 4096
+        if root == legacy:
+            # An older spool is closed at its top (nobody can traverse into it).
+            assert {p.stat().st_mode & 0o777 for p in dirs[:1]} == {0o700}
+            assert (root / "journal").stat().st_mode & 0o777 == 0o700
+        else:
+            assert {p.stat().st_mode & 0o777 for p in dirs} == {0o700}
