@@ -326,7 +326,8 @@ class _PeerSMTP(SMTP):
         keywords = []
         if self.data_size_limit:
             keywords.append(f"SIZE {self.data_size_limit}")
-        keywords.append("8BITMIME")
+        if peer.eightbitmime:
+            keywords.append("8BITMIME")
         if peer.pipelining:
             keywords.append("PIPELINING")
         if self.enable_SMTPUTF8:
@@ -448,6 +449,8 @@ class _PeerSMTP(SMTP):
             if key == "BODY":
                 if value.upper() not in ("7BIT", "8BITMIME"):
                     return "501 5.5.4 BODY can only be one of 7BIT, 8BITMIME"
+                if value.upper() == "8BITMIME" and not self._peer.eightbitmime:
+                    return f"555 5.5.4 Unsupported option: {option}"
             elif key == "SIZE":
                 if not value.isdigit():
                     return "501 5.5.4 Bad SIZE parameter syntax"
@@ -627,6 +630,7 @@ class SmtpPeer:
         hostname: str = "peer.test",
         dsn: bool = True,
         smtputf8: bool = True,
+        eightbitmime: bool = True,
         starttls: ssl.SSLContext | None = None,
         pipelining: bool = False,
         data_size_limit: int = 33554432,
@@ -640,6 +644,7 @@ class SmtpPeer:
         self.hostname = hostname
         self.dsn = dsn
         self.smtputf8 = smtputf8
+        self.eightbitmime = eightbitmime
         self.starttls = starttls
         self.pipelining = pipelining
         self.data_size_limit = data_size_limit
