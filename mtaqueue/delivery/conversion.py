@@ -50,6 +50,7 @@ _ENCODABLE_MESSAGES = (
 _FIELD = re.compile(rb"[\x21-\x39\x3b-\x7e]+[ \t]*:")
 _CTE = re.compile(rb"content-transfer-encoding[ \t]*:", re.IGNORECASE)
 _WSP = b" \t"
+_BARE = re.compile(rb"\0|\r(?!\n)|(?<!\r)\n")
 
 
 class Prepared(msgspec.Struct, frozen=True):
@@ -161,6 +162,9 @@ def _header(header: bytes, *, seven_bit: bool) -> bytes:
         name = next(line for line in header.split(b"\r\n") if not line.isascii())
         name = name.split(b":", 1)[0].decode("ascii", "replace")
         raise _Unconvertible(f"8-bit characters in a header ({name}) for a 7-bit server")
+    # A NUL, bare CR or LF cannot be sent, and a line end would start a field of its own
+    # at the next hop: a space, as Postfix's cleanup makes of them.
+    header = _BARE.sub(b" ", header)
     lines = header.split(b"\r\n")
     if max(map(len, lines)) <= MAX_LINE:
         return header
