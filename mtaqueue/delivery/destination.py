@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..config import Pacing
 from ..policy.fairness import FairQueue
+from ..policy.hosts import host_key
 from ..policy.replies import Reply
 from ..policy.shaper import DestinationShaper
 from ..routing.resolver import Route
@@ -71,7 +72,10 @@ class Destination:
 
     def snapshot(self, now: float, suspended: dict[str, float]) -> dict:
         shaping = self.shaper.snapshot(now)
-        hosts = self.key.split(":")[0].split(",")
+        names, _, port = self.key.rpartition(":")  # destination_key's "names[:port]"
+        if not port.isdigit():
+            names, port = self.key, "25"
+        hosts = {host_key(name, int(port)) for name in names.split(",")}
         return {
             "destination": self.key,
             "domains": sorted(self.domains),
