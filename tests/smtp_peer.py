@@ -13,10 +13,10 @@ loop in a background thread. Delivery tests point the daemon's test DNS at sever
         assert peer.messages[0].rcpt_params("a@example.org")["NOTIFY"] == "SUCCESS,FAILURE"
 
 Phases: "banner", "ehlo" (EHLO and HELO), "starttls", "mail", "rcpt", "data" (the 354
-step), "data_end" (after the final dot). An action is a reply string ("421 ..." also closes
-the connection, as real servers do; multi-line replies may be written with "\\n"), `HANG`
-(stop answering), `DROP` (abort the connection), `None` (the default behaviour) or a
-callable `f(Context) -> action`.
+step), "data_end" (after the final dot), "rset". An action is a reply string ("421 ..."
+also closes the connection, as real servers do; multi-line replies may be written with
+"\\n"), `HANG` (stop answering), `DROP` (abort the connection), `None` (the default
+behaviour) or a callable `f(Context) -> action`.
 
 Misbehaving peers: a 2xx where it does not belong is sent and the session goes on as if it
 were right (`peer.banner = "250 hi"`, `on("mail", "252 ok")`, `on("data", "250 ok")`);
@@ -67,7 +67,7 @@ from aiosmtpd.smtp import SMTP, Envelope, syntax
 
 HANG = "hang"
 DROP = "drop"
-PHASES = ("banner", "ehlo", "starttls", "mail", "rcpt", "data", "data_end")
+PHASES = ("banner", "ehlo", "starttls", "mail", "rcpt", "data", "data_end", "rset")
 _RCPT_PHASES = frozenset({"rcpt", "data", "data_end"})
 _REPLY_RE = re.compile(r"^[2-5]\d\d(?:[ -]|$)")
 _NOTIFY_VALUES = frozenset({"SUCCESS", "FAILURE", "DELAY"})
@@ -149,7 +149,7 @@ class Received:
 
 class LogEntry(NamedTuple):
     time: float  # epoch seconds
-    phase: str  # a PHASES name, or "rset", "quit", "close"
+    phase: str  # a PHASES name, or "quit", "close"
     reply: str  # what was sent; HANG / DROP when nothing was
     client_ip: str
     connection: int
@@ -426,9 +426,13 @@ class _PeerSMTP(SMTP):
         await super().smtp_STARTTLS(arg)
 
     async def smtp_RSET(self, arg: str) -> None:
-        self._peer._log("rset", "250 2.0.0 Ok", self)
-        self._override_next_push = "250 2.0.0 Ok" if not arg else None
-        await super().smtp_RSET(arg)
+        peer = self._peer
+        attempt = peer._attempt(("rset", self._client_ip))
+        reply = peer._decide("rset", None, (), lambda: self._context("rset"), attempt)
+        reply = reply or "250 2.0.0 Ok"
+        peer._log("rset", _text(reply), self)
+        self._override_next_push = reply if not arg else None
+        await super().smtp_RSET(arg)  # (push() closes after a 421)
 
     async def smtp_QUIT(self, arg: str) -> None:
         self._peer._log("quit", "221 2.0.0 Bye", self)
