@@ -187,3 +187,27 @@ def test_hosts_on_one_address_and_different_ports_are_suspended_apart(start_daem
         assert taken(working) == {queue_id: 1}
         (suspended,) = events(daemon, "host_suspended")
         assert (suspended["host"], suspended["port"]) == ("127.0.0.2", broken_port)
+
+
+def test_a_repeated_wait_on_suspended_hosts_is_charged_with_the_reason(net):
+    net.peer.refuse_connections()
+    daemon = net.daemon(*ONE_CONNECTION, "delivery.host_suspend=2s")
+    daemon.send("app@sender.test", ["first@faulty.test"], BODY)
+    wait_for(lambda: events(daemon, "host_suspended"), what="the host suspended")
+    waiting = [daemon.send("app@sender.test", [f"w{i}@faulty.test"], BODY) for i in range(3)]
+    # Released, the host fails the first of them again: the others, suspended once more,
+    # are charged an attempt that says why, rather than waiting uncharged again.
+    charged = wait_for(
+        lambda: [
+            e
+            for e in events(daemon, "delivery")
+            if e["id"] in waiting and "temporarily suspended" in e["text"]
+        ],
+        timeout=20,
+        what="a repeated wait charged",
+    )
+    assert charged[0]["outcome"] == "transient" and charged[0]["attempt"] == 1
+    assert (charged[0]["phase"], charged[0]["network"]) == ("connect", "refused")
+    assert charged[0]["text"].startswith("127.0.0.2 refused (delivery to mx.faulty.test:")
+    rcpt = daemon.messages()[charged[0]["id"]]["recipients"][0]
+    assert rcpt["attempts"] >= 1 and "temporarily suspended" in rcpt["last_reply"]

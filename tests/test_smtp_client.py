@@ -12,9 +12,11 @@ from smtp_peer import SmtpPeer
 
 from mtaqueue.config import TimeoutsConfig
 from mtaqueue.model import Message, Recipient
+from mtaqueue.policy.classify import classify
 from mtaqueue.smtp.client import ClientSettings, SmtpConnection
 
-SETTINGS = ClientSettings("mx.test", TimeoutsConfig(), "off")
+TIMEOUTS = TimeoutsConfig()
+SETTINGS = ClientSettings("mx.test", TIMEOUTS, "off")
 
 
 @pytest.fixture
@@ -52,3 +54,22 @@ def test_long_lines_are_made_legal_on_the_way_out(peer):
     assert message["To"] == to.removeprefix("To: ")  # folded, unfolds to the same
     assert message["Content-Transfer-Encoding"] == "quoted-printable"
     assert message.get_content() == html + "\r\n"
+
+
+def test_an_address_that_cannot_be_sent_fails_alone_as_a_local_error(peer):
+    # A lone surrogate is what undecodable UTF-8 became: it cannot go on the wire.
+    bad, good = Recipient("a\udcff@example.org"), Recipient("b@example.org")
+    message = Message("q1", "app@sender.test", (bad, good), 0.0, 0, "p1", smtputf8=True)
+
+    async def run():
+        conn = await SmtpConnection.open("mx.example.org", peer.host, peer.port, SETTINGS)
+        try:
+            return await conn.send(message, [bad, good], b"Subject: x\r\n\r\nx\r\n", TIMEOUTS)
+        finally:
+            await conn.quit()
+
+    refused, accepted = asyncio.run(run())
+    assert (refused.phase, refused.network) == ("rcpt", "local")
+    assert classify(refused).outcome == "transient"  # charged and retried, never a loop
+    assert accepted.code == 250
+    assert [m.rcpt_tos for m in peer.messages] == [["b@example.org"]]
