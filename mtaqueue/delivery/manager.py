@@ -280,13 +280,7 @@ class DeliveryManager:
             self._schedule(message_id, time.time() + RECOVER_AFTER)
             return
         reply = Reply("dns", 0, "", f"local error: {type(error).__name__}: {error}", "local")
-        try:
-            results = [self.sender.result(i, reply, None, None) for i in indexes]
-            self._finish(message_id, indexes, results, destination="")
-        except Exception:  # the record itself is broken: keep it, and keep trying slowly
-            log.exception("settle_failed", id=message_id)
-            waits = self._waits.get(message_id, 1)
-            self._schedule(message_id, time.time() + RECOVER_AFTER * 2 ** min(waits, 6))
+        self._charge(message_id, indexes, reply, destination="")
 
     def _uncharged_wait(self, message_id: str) -> bool:
         """Count an internal wait (every host suspended, an unexpected error): whether it
@@ -513,16 +507,23 @@ class DeliveryManager:
     def _attempt_failed(self, destination: Destination, item: WorkItem, exc: Exception) -> None:
         """An attempt raised (a bug of ours outside the SMTP client, which reports its own):
         it counts, as a local error, rather than coming back every minute uncharged."""
-        if item.message_id not in self.spool.messages:
-            self._unbusy(item.message_id, item.indexes)
-            return
         reply = Reply("mail", 0, "", f"local error: {type(exc).__name__}: {exc}", "local")
+        self._charge(item.message_id, item.indexes, reply, destination=destination.key)
+
+    def _charge(self, message_id: str, indexes: list[int], reply: Reply, destination: str) -> None:
+        """Settle a failure of ours as an attempt of these recipients. A record that cannot
+        even be settled is held for an operator (mtaqueue-ctl show / release): kept, and
+        not tried again and again."""
         try:
-            results = [self.sender.result(i, reply, None, None) for i in item.indexes]
-            self._finish(item.message_id, item.indexes, results, destination=destination.key)
+            results = [self.sender.result(i, reply, None, None) for i in indexes]
+            self._finish(message_id, indexes, results, destination=destination)
         except Exception:
-            log.exception("settle_failed", id=item.message_id)
-            self._retry_later(item.message_id, item.indexes, exc)
+            log.exception("settle_failed", id=message_id)
+            self._unbusy(message_id, indexes)
+            message = self.spool.messages.get(message_id)
+            if message is not None:
+                with contextlib.suppress(Exception):  # logged above; it waits for a restart
+                    self.spool.update(msgspec.structs.replace(message, held=True))
 
     def _feedback(self, destination: Destination, outcome: Outcome, now: float) -> None:
         """Tell the destination's shaper what an attempt showed, and act on what changed."""
