@@ -483,7 +483,10 @@ class DeliveryManager:
             message, item.indexes, item.route, content, conn, per_connection
         )
         now = time.time()
-        self._feedback(destination, outcome, now)
+        try:
+            self._feedback(destination, outcome, now)
+        except Exception:  # pacing is advice: what the attempt got must still be recorded
+            log.exception("feedback_failed", destination=destination.key)
         if outcome.wait_until is not None:
             if self._uncharged_wait(item.message_id):
                 # Every host is suspended: an internal wait, not an attempt.

@@ -278,9 +278,9 @@ class SmtpConnection:
             reply = _network("data_end", "local", f"local error after the end of data: {exc}")
         else:
             reply = _reply("data_end", final.code, final.message)
-            if final.code // 100 in (2, 4, 5) and self._in_step():
+            if final.code // 100 in (2, 4, 5) and final.code != 421 and self._in_step():
                 return reply
-        self.abort()  # whatever it was, a later reply could be this one's
+        self.abort()  # the session is over (421), or a later reply could be this one's
         return reply
 
     def _in_step(self) -> bool:
@@ -300,7 +300,7 @@ class SmtpConnection:
             self.abort()
 
     async def quit(self) -> None:
-        with contextlib.suppress(aiosmtplib.SMTPException, OSError):
+        with contextlib.suppress(Exception):  # a courtesy: whatever happens, it is closed
             if self.client.is_connected:
                 await self.client.quit(timeout=10)
         self.abort()
