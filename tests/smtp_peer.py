@@ -31,7 +31,8 @@ removes it. When no rule answers, RCPT applies greylisting (if enabled) and then
 `rcpt=` on "data"/"data_end" matches a message that has that recipient.
 
 Records: `messages` holds what was accepted after the final dot, plus what was read but never
-answered (HANG/DROP at "data_end": `replied=False`); `rejected` holds 4xx/5xx at "data_end".
+answered (HANG/DROP at "data_end": `replied=False`); `rejected` holds the others (4xx/5xx,
+garbage).
 For load, `keep_content=False, track_attempts=False, log_limit=0` keeps only sizes/hashes.
 
 aiosmtpd 1.4.6 notes (see shared/reference/standards_libs.md B1): MAIL and RCPT are

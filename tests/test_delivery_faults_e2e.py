@@ -106,6 +106,7 @@ def test_garbage_after_the_dot_is_ambiguous_and_charged(net, policy, garbage):
         assert first["outcome"] == "ambiguous" and first["network"] == "protocol"
         wait_for(lambda: not daemon.messages(), timeout=20, what="the retry")
         assert len(net.peer.messages) + len(net.peer.rejected) == 2  # the price: a duplicate
+        assert_honest(daemon, net.peer)
     else:
         assert first["outcome"] == "delivered" and first["kind"] == "ambiguous"
         wait_for(lambda: not daemon.messages(), what="assumed delivery")
