@@ -13,10 +13,15 @@ loop in a background thread. Delivery tests point the daemon's test DNS at sever
         assert peer.messages[0].rcpt_params("a@example.org")["NOTIFY"] == "SUCCESS,FAILURE"
 
 Phases: "banner", "ehlo" (EHLO and HELO), "starttls", "mail", "rcpt", "data" (the 354
-step), "data_end" (after the final dot). An action is a reply string ("421 ..." also closes
-the connection, as real servers do; multi-line replies may be written with "\\n"), `HANG`
-(stop answering), `DROP` (abort the connection), `None` (the default behaviour) or a
-callable `f(Context) -> action`.
+step), "data_end" (after the final dot), "rset". An action is a reply string ("421 ..."
+also closes the connection, as real servers do; multi-line replies may be written with
+"\\n"), `HANG` (stop answering), `DROP` (abort the connection), `None` (the default
+behaviour) or a callable `f(Context) -> action`.
+
+Misbehaving peers: a 2xx where it does not belong is sent and the session goes on as if it
+were right (`peer.banner = "250 hi"`, `on("mail", "252 ok")`, `on("data", "250 ok")`);
+`Raw(b"...")` sends bytes as they are (garbage, an over-long line, two replies at once);
+`Late(seconds, "250 ok")` answers only after a delay (past the client's timeout).
 
 Rule order for one event: rules with `times=` first, in the order they were added (each
 use counts down; a rule is removed when spent), then the standing rule for that recipient,
@@ -26,7 +31,8 @@ removes it. When no rule answers, RCPT applies greylisting (if enabled) and then
 `rcpt=` on "data"/"data_end" matches a message that has that recipient.
 
 Records: `messages` holds what was accepted after the final dot, plus what was read but never
-answered (HANG/DROP at "data_end": `replied=False`); `rejected` holds 4xx/5xx at "data_end".
+answered (HANG/DROP at "data_end": `replied=False`); `rejected` holds the others (4xx/5xx,
+garbage).
 For load, `keep_content=False, track_attempts=False, log_limit=0` keeps only sizes/hashes.
 
 aiosmtpd 1.4.6 notes (see shared/reference/standards_libs.md B1): MAIL and RCPT are
@@ -62,13 +68,29 @@ from aiosmtpd.smtp import SMTP, Envelope, syntax
 
 HANG = "hang"
 DROP = "drop"
-PHASES = ("banner", "ehlo", "starttls", "mail", "rcpt", "data", "data_end")
+PHASES = ("banner", "ehlo", "starttls", "mail", "rcpt", "data", "data_end", "rset")
 _RCPT_PHASES = frozenset({"rcpt", "data", "data_end"})
 _REPLY_RE = re.compile(r"^[2-5]\d\d(?:[ -]|$)")
 _NOTIFY_VALUES = frozenset({"SUCCESS", "FAILURE", "DELAY"})
 
-Action = str | None
-Script = str | Callable[["Context"], Action] | None
+
+@dataclass(frozen=True, slots=True)
+class Raw:
+    """Bytes sent as they are instead of a reply (no CRLF added); the session goes on."""
+
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Late:
+    """`reply`, sent only after `delay` seconds."""
+
+    delay: float
+    reply: str
+
+
+Action = str | Raw | Late | None
+Script = str | Raw | Late | Callable[["Context"], Action] | None
 
 
 # -- records ----------------------------------------------------------------------------
@@ -128,7 +150,7 @@ class Received:
 
 class LogEntry(NamedTuple):
     time: float  # epoch seconds
-    phase: str  # a PHASES name, or "rset", "quit", "close"
+    phase: str  # a PHASES name, or "quit", "close"
     reply: str  # what was sent; HANG / DROP when nothing was
     client_ip: str
     connection: int
@@ -202,12 +224,30 @@ def _wire(reply: str) -> str:
 
 
 def _check_action(action: object) -> None:
-    if action is None or action in (HANG, DROP) or callable(action):
+    if action is None or action in (HANG, DROP) or callable(action) or isinstance(action, Raw):
         return
-    if not isinstance(action, str) or not all(
-        _REPLY_RE.match(line) for line in action.strip("\r\n").split("\n")
+    reply = action.reply if isinstance(action, Late) else action
+    if not isinstance(reply, str) or not all(
+        _REPLY_RE.match(line) for line in reply.strip("\r\n").split("\n")
     ):
-        raise ValueError(f"not an SMTP reply, HANG, DROP, None or callable: {action!r}")
+        raise ValueError(f"not an SMTP reply, HANG, DROP, Raw, Late, None or callable: {action!r}")
+
+
+def _normalised(action: Script) -> Script:
+    if isinstance(action, str):
+        return _wire(action)
+    if isinstance(action, Late):
+        return Late(action.delay, _wire(action.reply))
+    return action
+
+
+def _text(action: Action) -> str:
+    """What an action sends, as text (for logs and records)."""
+    if isinstance(action, Late):
+        return action.reply
+    if isinstance(action, Raw):
+        return action.data.decode("ascii", "replace")
+    return action or ""
 
 
 class _PeerSMTP(SMTP):
@@ -263,9 +303,9 @@ class _PeerSMTP(SMTP):
         # Cancelled by connection_lost (client gives up, peer stops, or aiosmtpd's timeout).
         await self.loop.create_future()
 
-    async def _act(self, phase: str, reply: str, arg: str = "") -> None:
+    async def _act(self, phase: str, reply: Action, arg: str = "") -> None:
         """Log and send `reply`; HANG and DROP never return (the session is cancelled)."""
-        self._peer._log(phase, reply, self, arg)
+        self._peer._log(phase, _text(reply), self, arg)
         if reply == HANG:
             await self._forever()
         if reply == DROP:
@@ -274,9 +314,16 @@ class _PeerSMTP(SMTP):
             await self._forever()
         await self.push(reply)
 
-    async def push(self, status: str | bytes) -> None:
+    async def push(self, status: str | bytes | Raw | Late) -> None:
         if self._override_next_push is not None:
             status, self._override_next_push = self._override_next_push, None
+        if isinstance(status, Late):
+            await asyncio.sleep(status.delay)
+            status = status.reply
+        if isinstance(status, Raw):
+            self._writer.write(status.data)
+            await self._writer.drain()
+            return
         await super().push(status)
         if (
             isinstance(status, str)
@@ -308,8 +355,8 @@ class _PeerSMTP(SMTP):
         reply = peer._decide("banner", None, (), lambda: self._context("banner"), attempt)
         if reply is None:
             reply = peer.banner
-        if reply.startswith("220"):
-            self._peer._log("banner", reply, self)
+        if _text(reply).startswith("2"):  # 220, or a 2xx out of step: the session goes on
+            self._peer._log("banner", _text(reply), self)
             self._override_next_push = reply  # aiosmtpd's own greeting push
             await super()._handle_client()
             return
@@ -326,7 +373,8 @@ class _PeerSMTP(SMTP):
         keywords = []
         if self.data_size_limit:
             keywords.append(f"SIZE {self.data_size_limit}")
-        keywords.append("8BITMIME")
+        if peer.eightbitmime:
+            keywords.append("8BITMIME")
         if peer.pipelining:
             keywords.append("PIPELINING")
         if self.enable_SMTPUTF8:
@@ -349,7 +397,7 @@ class _PeerSMTP(SMTP):
         reply = peer._decide("ehlo", None, (), lambda: self._context("ehlo"), attempt)
         if reply is None:
             reply = "\r\n".join(self._ehlo_lines()) if verb == "EHLO" else f"250 {self.hostname}"
-        if reply.startswith("2"):
+        if _text(reply).startswith("2"):
             self.session.host_name = hostname
             self.session.extended_smtp = verb == "EHLO"
         await self._act("ehlo", reply, hostname)
@@ -371,17 +419,21 @@ class _PeerSMTP(SMTP):
         if self.tls_context and not arg:
             attempt = peer._attempt(("starttls", self._client_ip))
             reply = peer._decide("starttls", None, (), lambda: self._context("starttls"), attempt)
-            if reply is not None and not reply.startswith("220"):
+            if reply is not None and not _text(reply).startswith("220"):
                 await self._act("starttls", reply)
                 return
-            peer._log("starttls", reply or "220 Ready to start TLS", self)
+            peer._log("starttls", _text(reply) or "220 Ready to start TLS", self)
             self._override_next_push = reply
         await super().smtp_STARTTLS(arg)
 
     async def smtp_RSET(self, arg: str) -> None:
-        self._peer._log("rset", "250 2.0.0 Ok", self)
-        self._override_next_push = "250 2.0.0 Ok" if not arg else None
-        await super().smtp_RSET(arg)
+        peer = self._peer
+        attempt = peer._attempt(("rset", self._client_ip))
+        reply = peer._decide("rset", None, (), lambda: self._context("rset"), attempt)
+        reply = reply or "250 2.0.0 Ok"
+        peer._log("rset", _text(reply), self)
+        self._override_next_push = reply if not arg else None
+        await super().smtp_RSET(arg)  # (push() closes after a 421)
 
     async def smtp_QUIT(self, arg: str) -> None:
         self._peer._log("quit", "221 2.0.0 Bye", self)
@@ -428,7 +480,7 @@ class _PeerSMTP(SMTP):
         )
         if reply is None:
             reply = "250 2.1.0 Ok"
-        if reply.startswith("2"):
+        if _text(reply).startswith("2"):
             self._mail_from = address
             self._mail_options = options
             self.envelope.mail_from = address or "<>"
@@ -448,6 +500,8 @@ class _PeerSMTP(SMTP):
             if key == "BODY":
                 if value.upper() not in ("7BIT", "8BITMIME"):
                     return "501 5.5.4 BODY can only be one of 7BIT, 8BITMIME"
+                if value.upper() == "8BITMIME" and not self._peer.eightbitmime:
+                    return f"555 5.5.4 Unsupported option: {option}"
             elif key == "SIZE":
                 if not value.isdigit():
                     return "501 5.5.4 Bad SIZE parameter syntax"
@@ -524,7 +578,7 @@ class _PeerSMTP(SMTP):
             reply = peer._greylisted(self._client_ip, self._mail_from, lowered)
         if reply is None:
             reply = "250 2.1.5 Ok"
-        if reply.startswith("2"):
+        if _text(reply).startswith("2"):
             self.envelope.rcpt_tos.append(address)
             self.envelope.rcpt_options.extend(options)
             self._rcpt_options.append(options)
@@ -546,14 +600,14 @@ class _PeerSMTP(SMTP):
         reply = peer._decide("data", None, rcpts, lambda: self._context("data"), attempt)
         if reply is None:
             reply = "354 End data with <CR><LF>.<CR><LF>"
-        if not reply.startswith("354"):
+        if not _text(reply).startswith("354"):
             await self._act("data", reply)
             return
-        peer._log("data", reply, self)
+        peer._log("data", _text(reply), self)
         self._override_next_push = reply
         await super().smtp_DATA(arg)  # reads the body, calls _data_end through _Handler
 
-    async def _data_end(self, envelope: Envelope) -> str:
+    async def _data_end(self, envelope: Envelope) -> Action:
         peer = self._peer
         content = envelope.original_content or b""
         rcpts = [r.lower() for r in envelope.rcpt_tos]
@@ -577,15 +631,16 @@ class _PeerSMTP(SMTP):
             peer=peer.host,
             time=time.time(),
             replied=replied,
-            reply=reply if replied else None,
+            reply=_text(reply) if replied else None,
             helo=self.session.host_name or "",
             tls=self._tls_protocol is not None,
             connection=self._conn,
             txn=self._txn,
         )
-        (peer.messages if not replied or reply.startswith("2") else peer.rejected).append(record)
+        accepted = not replied or _text(reply).startswith("2")
+        (peer.messages if accepted else peer.rejected).append(record)
         if replied:
-            peer._log("data_end", reply, self)
+            peer._log("data_end", _text(reply), self)
             return reply  # aiosmtpd pushes it (and push() closes after a 421)
         await self._act("data_end", reply)  # hangs or drops; never returns
         raise AssertionError("unreachable")
@@ -627,6 +682,7 @@ class SmtpPeer:
         hostname: str = "peer.test",
         dsn: bool = True,
         smtputf8: bool = True,
+        eightbitmime: bool = True,
         starttls: ssl.SSLContext | None = None,
         pipelining: bool = False,
         data_size_limit: int = 33554432,
@@ -640,13 +696,14 @@ class SmtpPeer:
         self.hostname = hostname
         self.dsn = dsn
         self.smtputf8 = smtputf8
+        self.eightbitmime = eightbitmime
         self.starttls = starttls
         self.pipelining = pipelining
         self.data_size_limit = data_size_limit
         self.timeout = timeout
         self.keep_content = keep_content
         self.track_attempts = track_attempts
-        self._banner = f"220 {hostname} ESMTP"
+        self._banner: Action = f"220 {hostname} ESMTP"
 
         self.messages: list[Received] = []  # accepted, or read but never answered
         self.rejected: list[Received] = []  # answered 4xx/5xx after the final dot
@@ -671,16 +728,17 @@ class SmtpPeer:
         self._server: asyncio.Server | None = None
 
     @property
-    def banner(self) -> str:
-        """The greeting, e.g. "421 4.7.0 Too busy" (any non-220 greeting closes the session)."""
+    def banner(self) -> Action:
+        """The greeting, e.g. "421 4.7.0 Too busy" (a 4xx/5xx greeting or garbage closes the
+        session; a 2xx, even out of step, goes on)."""
         return self._banner
 
     @banner.setter
-    def banner(self, reply: str) -> None:
+    def banner(self, reply: Action) -> None:
         if reply in (HANG, DROP):
             raise ValueError("use hang('banner') / drop('banner')")
         _check_action(reply)
-        self._banner = _wire(reply)
+        self._banner = _normalised(reply)
 
     def __repr__(self) -> str:
         return f"<SmtpPeer {self.host}:{self.port} messages={len(self.messages)}>"
@@ -741,8 +799,7 @@ class SmtpPeer:
         if times is not None and times < 1:
             raise ValueError("times must be >= 1")
         _check_action(reply)
-        if isinstance(reply, str):
-            reply = _wire(reply)
+        reply = _normalised(reply)
         key = rcpt.lower() if rcpt is not None else None
         with self._lock:
             if times is not None:
@@ -936,8 +993,7 @@ class SmtpPeer:
             if callable(chosen):
                 raise TypeError(f"a script returned a callable: {chosen!r}")
             _check_action(chosen)
-            if isinstance(chosen, str):
-                chosen = _wire(chosen)
+            chosen = _normalised(chosen)
         return chosen
 
     def _greylisted(self, client_ip: str, sender: str, rcpt: str) -> str | None:

@@ -310,12 +310,19 @@ CASES = [
     "data_end 250 Ok: queued as 4Z7 => delivered message ok 2.0.0",
     "rcpt 250 2.1.5 OK => delivered recipient ok 2.1.5",
     "rcpt 251 User not local; will forward => delivered recipient ok 2.0.0",
-    "data 354 Go ahead => delivered message ok 2.0.0",
-    "rcpt 354 Go ahead? => transient recipient protocol 4.5.0",
-    "data_end 354 again? => transient message protocol 4.5.0",
-    "mail 100 => transient message protocol 4.5.0",
-    "rcpt 650 => transient recipient protocol 4.5.0",
-    "rcpt -1 Malformed SMTP response => transient recipient protocol 4.5.0",
+    # A step done is not a delivery; a code out of step is the host's protocol error.
+    "banner 250 mx.example.org ESMTP => transient host protocol 4.5.0",
+    "mail 252 2.1.0 Ok => transient host protocol 4.5.0",
+    "data 250 2.0.0 Ok => transient host protocol 4.5.0",
+    "data 354 Go ahead => transient host protocol 4.5.0",
+    "rcpt 354 Go ahead? => transient host protocol 4.5.0",
+    "rcpt 252 2.1.5 Cannot VRFY => transient host protocol 4.5.0",
+    "mail 100 => transient host protocol 4.5.0",
+    "rcpt 650 => transient host protocol 4.5.0",
+    "rcpt -1 Malformed SMTP response => transient host protocol 4.5.0",
+    # After the final dot, anything but a 2xx, 4xx or 5xx leaves it unknown.
+    "data_end 354 again? => ambiguous message network 4.4.2",
+    "data_end 199 => ambiguous message network 4.4.2",
 ]
 
 
@@ -609,8 +616,8 @@ def test_every_reply_gets_a_well_formed_verdict(reply, policy):
     # A DSN's status: well formed, its class agreeing with the outcome.
     assert re.fullmatch(r"[245]\.[0-9]{1,3}\.[0-9]{1,3}", v.status)
     assert v.status[0] == OUTCOME_CLASS[v.outcome]
-    if reply.enhanced and (reply.code, reply.phase) != (0, "data_end"):  # there: fixed
-        assert v.status[1:] == reply.enhanced[1:]
+    if reply.enhanced and v.kind != "protocol" and (reply.code, reply.phase) != (0, "data_end"):
+        assert v.status[1:] == reply.enhanced[1:]  # (out of step, or lost after the dot: fixed)
     # Only a bad address is suppressed, and only when it bounces.
     if v.suppress:
         assert v.outcome == "permanent" and v.kind in ("mailbox", "dns")
@@ -619,8 +626,11 @@ def test_every_reply_gets_a_well_formed_verdict(reply, policy):
         assert v.outcome == "transient" and 0 <= v.retry_after <= MAX_HINT
     if v.kind == "greylisting":
         assert v.outcome == "transient"
-    if v.scope == "host":  # "try the next MX" is for before a transaction, and no bounce
-        assert reply.phase in SETUP and v.outcome != "permanent"
+    if v.scope == "host":  # before a transaction, or a server out of step; never a bounce
+        assert reply.phase in SETUP or v.kind == "protocol"
+        assert v.outcome != "permanent"
+    if v.kind == "protocol" and not 400 <= reply.code < 600:
+        assert v.scope == "host" and v.outcome == "transient"
 
 
 @given(replies())
@@ -632,7 +642,10 @@ def test_class_digit_decides_unless_known_soft(reply):
     if klass == 5:
         soft = v.kind in ("mailbox_full", "too_many_recipients") or reply.phase in SETUP
         assert v.outcome == ("transient" if soft else "permanent")
-    if klass == 2:
+    # Delivered is a 2xx after the final dot (or 250/251 to RCPT); a 2xx anywhere else is not.
+    if v.outcome == "delivered":
+        assert klass == 2 and reply.phase in ("rcpt", "data_end")
+    if klass == 2 and reply.phase == "data_end":
         assert v.outcome == "delivered"
 
 
@@ -648,9 +661,15 @@ def test_no_reply_after_the_dot_is_ambiguous_and_nothing_else_is(phase, network,
     reply = Reply(phase, 0, text=text, network=network)
     v = classify(reply)
     assert (v.outcome == "ambiguous") == (phase == "data_end")
-    if phase in TRANSACTION:
+    if phase in ("data_end", "dns"):  # (a failed next-hop lookup is the destination's)
+        return
+    if network == "protocol":  # garbage: the host's, at any phase
+        assert v.scope == "host" and v.kind == "protocol"
+    elif network == "local":  # our own failure: never the host's
+        assert v.scope == "message" and v.outcome == "transient"
+    elif phase in TRANSACTION:
         assert v.scope == "message"
-    if phase in SETUP:
+    elif phase in SETUP:
         assert v.scope == "host"
 
 

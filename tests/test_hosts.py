@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mtaqueue.policy.hosts import HostSuspensions
+from mtaqueue.policy.hosts import HostSuspensions, host_key
+from mtaqueue.policy.replies import Reply
 
 BASE, MAX = 60.0, 3600.0
 
@@ -96,6 +97,27 @@ def test_snapshot(hosts):
     assert hosts.snapshot(40.0) == {"mx1": 60.0, "mx2": 90.0}
     assert hosts.snapshot(70.0) == {"mx2": 90.0}
     assert hosts.snapshot(90.0) == {}
+
+
+def test_a_host_is_a_name_and_a_port(hosts):
+    # Two servers behind one address on different ports: one failing leaves the other be.
+    assert host_key("mx1.example", 25) == "mx1.example"
+    assert host_key("127.0.0.1", 2526) == "127.0.0.1:2526"
+    assert host_key("::1", 2526) == "[::1]:2526"
+    hosts.failed(host_key("127.0.0.1", 2526), 0.0)
+    assert hosts.suspended("127.0.0.1:2526", 1.0)
+    assert not hosts.suspended(host_key("127.0.0.1", 2527), 1.0)
+    assert hosts.snapshot(1.0) == {"127.0.0.1:2526": 60.0}
+
+
+def test_the_reason_is_the_failure_that_started_the_outage(hosts):
+    refused = Reply("connect", 0, network="refused")
+    hosts.failed("mx1", 0.0, refused)
+    hosts.failed("mx1", 10.0, Reply("connect", 0, network="timeout"))  # the same outage
+    assert hosts.reason("mx1") == refused
+    assert hosts.reason("mx2") is None
+    hosts.succeeded("mx1")
+    assert hosts.reason("mx1") is None
 
 
 def test_expired_entries_are_forgotten_lazily(hosts):

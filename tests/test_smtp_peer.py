@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import smtplib
 import socket
@@ -11,7 +12,7 @@ import time
 
 import aiosmtplib
 import pytest
-from smtp_peer import DROP, HANG, SmtpPeer, peers_on_one_port, self_signed_context
+from smtp_peer import DROP, HANG, Late, Raw, SmtpPeer, peers_on_one_port, self_signed_context
 
 MSG = b"From: a@sender.test\r\nTo: b@rcpt.test\r\nSubject: hi\r\n\r\nHello.\r\n.leading dot\r\n"
 CLIENT = "client.test"  # never let a client call getfqdn()
@@ -430,3 +431,47 @@ def test_max_active_counts_concurrent_connections(peer):
     run(many())
     assert len(peer.messages) == 8 and peer.connections == 8
     assert 1 <= peer.max_active <= 8
+
+
+# -- misbehaving peers --------------------------------------------------------------------
+
+
+def raw_session(peer: SmtpPeer, *lines: bytes, wait: float = 2.0) -> bytes:
+    """Send command lines one by one, reading what comes back after each."""
+    with socket.create_connection((peer.host, peer.port), timeout=5) as sock:
+        got = b""
+        sock.settimeout(wait)
+        for line in (None, *lines):
+            if line is not None:
+                sock.sendall(line + b"\r\n")
+            with contextlib.suppress(TimeoutError):
+                got += sock.recv(65536)
+        return got
+
+
+def test_a_2xx_out_of_step_is_sent_and_the_session_goes_on(peer):
+    peer.banner = "250 not a greeting"
+    peer.on("mail", "252 2.1.0 Ok?")
+    peer.on("data", "250 2.0.0 Ok?")
+    got = raw_session(peer, b"EHLO c.test", b"MAIL FROM:<a@sender.test>", b"RCPT TO:<b@x>", b"DATA")
+    replies = [line[:3] for line in got.split(b"\r\n")[:-1] if line[3:4] != b"-"]
+    assert replies[:1] == [b"250"] and replies[-3:] == [b"252", b"250", b"250"]
+    assert peer.messages == []  # DATA was "answered": no content was read
+
+
+def test_raw_bytes_and_late_replies(peer):
+    peer.on("mail", Late(0.5, "250 2.1.0 late"))
+    peer.on("rcpt", Raw(b"garbage without a code\r\n"))
+    started = time.monotonic()
+    got = raw_session(peer, b"HELO c.test", b"MAIL FROM:<a@sender.test>", b"RCPT TO:<b@x>")
+    assert got.endswith(b"\r\n250 2.1.0 late\r\ngarbage without a code\r\n")
+    assert time.monotonic() - started >= 0.5
+    assert [e.reply for e in peer.log if e.phase == "rcpt"] == ["garbage without a code\r\n"]
+
+
+def test_late_reply_after_the_dot_is_recorded_as_sent(peer):
+    peer.on("data_end", Late(1.0, "250 2.0.0 late"))
+    with pytest.raises(aiosmtplib.SMTPTimeoutError):
+        run(send(peer, timeout=0.5))
+    (msg,) = peer.wait_messages(1)
+    assert msg.replied and msg.reply == "250 2.0.0 late"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..config import Pacing
 from ..model import DEFERRED, QUEUED, Message
 from ..policy.fairness import FairQueue
+from ..policy.hosts import host_key
 from ..policy.replies import Reply
 from ..policy.shaper import DestinationShaper
 from ..routing.resolver import Route
@@ -79,7 +80,10 @@ class Destination:
 
     def snapshot(self, now: float, suspended: dict[str, float]) -> dict:
         shaping = self.shaper.snapshot(now)
-        hosts = self.key.split(":")[0].split(",")
+        names, _, port = self.key.rpartition(":")  # destination_key's "names[:port]"
+        if not port.isdigit():
+            names, port = self.key, "25"
+        hosts = {host_key(name, int(port)) for name in names.split(",")}
         return {
             "destination": self.key,
             "routed": True,

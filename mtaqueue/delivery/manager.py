@@ -55,7 +55,8 @@ from .sender import Outcome, Sender
 log = get_logger("delivery")
 
 EXPIRY_CHECK = 30.0  # seconds between sweeps for mail whose lifetime has passed
-RECOVER_AFTER = 60.0  # retry delay after an unexpected error (a bug): not an attempt
+RECOVER_AFTER = 60.0  # retry delay after an unexpected error (a bug): not an attempt...
+UNCHARGED_WAITS = 1  # ... once: a repeated internal wait counts as an attempt
 PENDING = (QUEUED, DEFERRED)
 
 
@@ -84,6 +85,7 @@ class DeliveryManager:
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self._busy: dict[str, set[int]] = {}  # message id -> recipients routed/queued/in transit
+        self._waits: dict[str, int] = {}  # message id -> internal waits since its last attempt
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Future] = set()
         self._closing = False
@@ -187,10 +189,10 @@ class DeliveryManager:
                 _, _, message_id = heapq.heappop(self._heap)
                 try:
                     self._dispatch(message_id, now, batch)
-                except Exception:  # one bad record must not stop all delivery
+                except Exception as exc:  # one bad record must not stop all delivery
                     log.exception("dispatch_failed", id=message_id)
                     self._busy.pop(message_id, None)
-                    self._schedule(message_id, now + RECOVER_AFTER)
+                    self._retry_later(message_id, None, exc)
             for hop, work in batch.items():
                 self._spawn(self._route(hop, work))
             timeout = self._heap[0][0] - now if self._heap else None
@@ -249,25 +251,48 @@ class DeliveryManager:
             batch.setdefault(hop, []).append((message, indexes))
 
     async def _route(self, hop: NextHop, work: list[tuple[Message, list[int]]]) -> None:
+        failure: Exception | None = None
         try:
             route = await self.resolver.route(hop)
-        except Exception:
+        except Exception as exc:
             log.exception("routing_failed", hop=hop.host)
-            route = None
+            route, failure = None, exc
         for message, indexes in work:
             try:
                 if route is None:
-                    self._retry_later(message.id, indexes)
+                    self._retry_later(message.id, indexes, failure)
                 else:
                     self._queue(message, hop, indexes, route)
-            except Exception:
+            except Exception as exc:
                 log.exception("routing_failed", id=message.id, hop=hop.host)
-                self._retry_later(message.id, indexes)
+                self._retry_later(message.id, indexes, exc)
 
-    def _retry_later(self, message_id: str, indexes: list[int]) -> None:
-        """After an unexpected error: free the recipients and try again later, uncharged."""
-        self._unbusy(message_id, indexes)
-        self._schedule(message_id, time.time() + RECOVER_AFTER)
+    def _retry_later(
+        self, message_id: str, indexes: list[int] | None, error: Exception | None
+    ) -> None:
+        """After an unexpected error (a bug): free the recipients and try again later,
+        uncharged the first time; a repeat counts as an attempt that failed with it.
+        `indexes` None: every pending recipient."""
+        if indexes is not None:
+            self._unbusy(message_id, indexes)
+        message = self.spool.messages.get(message_id)
+        if message is None:
+            return
+        if indexes is None:
+            indexes = [i for i, r in enumerate(message.recipients) if r.state in PENDING]
+        if self._uncharged_wait(message_id):
+            self._schedule(message_id, time.time() + RECOVER_AFTER)
+            return
+        reply = Reply("dns", 0, "", f"local error: {type(error).__name__}: {error}", "local")
+        self._charge(message_id, indexes, reply, destination="")
+
+    def _uncharged_wait(self, message_id: str) -> bool:
+        """Count an internal wait (every host suspended, an unexpected error): whether it
+        may go uncharged. A repeat may not: a wait that can come back for ever would hold a
+        message with no attempt and no reason until it expires."""
+        waits = self._waits.get(message_id, 0) + 1
+        self._waits[message_id] = waits
+        return waits <= UNCHARGED_WAITS
 
     def _queue(
         self, message: Message, hop: NextHop, indexes: list[int], route: Route | RouteFailure
@@ -381,12 +406,12 @@ class DeliveryManager:
                 self._sent(destination, item.tenant)
                 try:
                     conn = await self._attempt(destination, item, conn)
-                except Exception:
+                except Exception as exc:
                     log.exception("attempt_failed", id=item.message_id)
-                    self._retry_later(item.message_id, item.indexes)
                     if conn is not None:
                         conn.abort()
                     conn = None
+                    self._attempt_failed(destination, item, exc)
         finally:
             # The slot is free from here: the QUIT below is one round trip.
             destination.active -= 1
@@ -480,12 +505,21 @@ class DeliveryManager:
             message, item.indexes, item.route, content, conn, per_connection
         )
         now = time.time()
-        self._feedback(destination, outcome, now)
+        try:
+            self._feedback(destination, outcome, now)
+        except Exception:  # pacing is advice: what the attempt got must still be recorded
+            log.exception("feedback_failed", destination=destination.key)
         if outcome.wait_until is not None:
-            # Every host is suspended: an internal wait, not an attempt. Nothing is charged.
-            self._unbusy(item.message_id, item.indexes)
-            self._schedule(item.message_id, outcome.wait_until)
-            return outcome.conn
+            if self._uncharged_wait(item.message_id):
+                # Every host is suspended: an internal wait, not an attempt.
+                self._unbusy(item.message_id, item.indexes)
+                self._schedule(item.message_id, outcome.wait_until)
+                return outcome.conn
+            # Suspended again: that counts, with the reason (Postfix's "delivery
+            # temporarily suspended"), and the next try follows the retry schedule.
+            reply = outcome.suspended
+            assert reply is not None
+            outcome.results = [self.sender.result(i, reply, None, None) for i in item.indexes]
         self._finish(
             item.message_id,
             item.indexes,
@@ -494,6 +528,27 @@ class DeliveryManager:
             destination=destination.key,
         )
         return outcome.conn
+
+    def _attempt_failed(self, destination: Destination, item: WorkItem, exc: Exception) -> None:
+        """An attempt raised (a bug of ours outside the SMTP client, which reports its own):
+        it counts, as a local error, rather than coming back every minute uncharged."""
+        reply = Reply("mail", 0, "", f"local error: {type(exc).__name__}: {exc}", "local")
+        self._charge(item.message_id, item.indexes, reply, destination=destination.key)
+
+    def _charge(self, message_id: str, indexes: list[int], reply: Reply, destination: str) -> None:
+        """Settle a failure of ours as an attempt of these recipients. A record that cannot
+        even be settled is held for an operator (mtaqueue-ctl show / release): kept, and
+        not tried again and again."""
+        try:
+            results = [self.sender.result(i, reply, None, None) for i in indexes]
+            self._finish(message_id, indexes, results, destination=destination)
+        except Exception:
+            log.exception("settle_failed", id=message_id)
+            self._unbusy(message_id, indexes)
+            message = self.spool.messages.get(message_id)
+            if message is not None:
+                with contextlib.suppress(Exception):  # logged above; it waits for a restart
+                    self.spool.update(msgspec.structs.replace(message, held=True))
 
     def _feedback(self, destination: Destination, outcome: Outcome, now: float) -> None:
         """Tell the destination's shaper what an attempt showed, and act on what changed."""
@@ -562,6 +617,7 @@ class DeliveryManager:
         retry_factor: float = 1.0,
     ) -> None:
         self._unbusy(message_id, indexes)
+        self._waits.pop(message_id, None)  # an attempt: internal waits count from here
         message = self.spool.messages.get(message_id)
         if message is None:
             return
@@ -599,6 +655,7 @@ class DeliveryManager:
                 log.info("suppressed", address=address, reason=reason)
         if settlement.finished and not self._busy.get(message.id):
             self._busy.pop(message.id, None)
+            self._waits.pop(message.id, None)
             self.spool.remove(message.id, "done")
             return
         self.spool.update(message)
@@ -679,6 +736,7 @@ class DeliveryManager:
         self._unqueue(lambda item: item.message_id in ids)
         for message in messages:
             self._busy.pop(message.id, None)
+            self._waits.pop(message.id, None)
             self.spool.remove(message.id, "deleted by operator")
             log.info("deleted", id=message.id, sender=message.sender)
         return len(ids)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from .. import config
 from ..logs import get_logger
 from ..model import Message
-from ..policy.classify import Rule, classify
-from ..policy.hosts import HostSuspensions
+from ..policy.classify import HOST, Rule, classify
+from ..policy.hosts import HostSuspensions, host_key
 from ..policy.replies import Reply
 from ..policy.settle import Result
 from ..routing.resolver import Route
@@ -27,6 +29,7 @@ class Outcome:
     results: list[Result]  # empty when nothing was tried
     conn: SmtpConnection | None  # still open, for the next message
     wait_until: float | None = None  # every host suspended: an internal wait, not an attempt
+    suspended: Reply | None = None  # ... and why, should the wait have to be charged
     connect_failures: int = 0  # failed connections on the way (for the circuit breaker)
     latency: float | None = None  # connect + greeting of a new connection, seconds
 
@@ -55,10 +58,13 @@ class Sender:
     ) -> Outcome:
         """Try the route's hosts in order until one takes the transaction."""
         now = time.time()
-        hosts = [h for h in route.hosts if not self.hosts.suspended(h.name, now)]
+        port = route.port
+        hosts = [h for h in route.hosts if not self.hosts.suspended(host_key(h.name, port), now)]
         if not hosts:
-            release = self.hosts.next_release([h.name for h in route.hosts], now)
-            return Outcome([], conn, wait_until=release or now + self.delivery.host_suspend)
+            keys = [host_key(h.name, port) for h in route.hosts]
+            release = self.hosts.next_release(keys, now)
+            wait = release or now + self.delivery.host_suspend
+            return Outcome([], conn, wait_until=wait, suspended=self._suspended(keys))
         if conn is not None and not (
             conn.usable
             and conn.transactions < max_per_connection
@@ -85,7 +91,7 @@ class Sender:
                 conn = opened
                 outcome.latency = time.monotonic() - started
             outcome.results = await self._transaction(conn, message, indexes, content)
-            self.hosts.succeeded(host.name)
+            self._judge_host(host.name, port, conn.ip, outcome.results)
             if not conn.usable:
                 await conn.quit()
                 conn = None
@@ -96,8 +102,31 @@ class Sender:
         outcome.conn = None
         return outcome
 
+    def _judge_host(self, host: str, port: int, ip: str, results: list[Result]) -> None:
+        """A host that spoke out of step (a 250 greeting, 252 to MAIL, garbage) is left
+        alone like one that failed to connect; one that carried a transaction is fine."""
+        failed = next((r.reply for r in results if r.verdict.scope == HOST), None)
+        if failed is None:
+            self.hosts.succeeded(host_key(host, port))
+        else:
+            self._suspend(host, port, ip, failed)
+
+    def _suspend(self, host: str, port: int, ip: str, reply: Reply) -> None:
+        until = self.hosts.failed(host_key(host, port), time.time(), reply)
+        log.warning("host_suspended", host=host, port=port, ip=ip, until=until, reply=reply.line())
+
+    def _suspended(self, keys: list[str]) -> Reply:
+        """What an attempt that waited on suspended hosts reports, if it has to be charged:
+        the failure that suspended the first of them."""
+        reason = self.hosts.reason(keys[0])
+        note = f"(delivery to {keys[0]} temporarily suspended)"
+        if reason is None:
+            return Reply("connect", 0, "", note, network="unreachable")
+        # (An event's line is "[enhanced] text or its description": the text alone here.)
+        text = reason.text if reason.code else reason.line().removeprefix(reason.enhanced)
+        return msgspec.structs.replace(reason, text=f"{text.strip()} {note}")
+
     async def _connect(self, host: str, ip: str, port: int) -> SmtpConnection | Reply:
-        now = time.time()
         try:
             return await SmtpConnection.open(host, ip, port, self.client)
         except ConnectFailed as failed:
@@ -108,10 +137,7 @@ class Sender:
                     failed = again
             verdict = classify(failed.reply, self.rules)
             if verdict.scope in ("host", "destination"):
-                until = self.hosts.failed(host, now)
-                log.warning(
-                    "host_suspended", host=host, ip=ip, until=until, reply=failed.reply.line()
-                )
+                self._suspend(host, port, ip, failed.reply)
             return failed.reply
 
     async def _transaction(

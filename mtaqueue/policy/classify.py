@@ -18,10 +18,16 @@ Kind says why, for pacing and for people: greylisting wants a patient second att
 that recipient; throttling wants the destination slowed down (retrying sooner or later does
 not help); "mailbox" with `suppress` is a hard bounce that goes on the suppression list.
 
-Precedence: a 2xx is a success; then the site's rules (`delivery.rules`, first match); then
-the next-hop lookup, network events, and the built-in `_TABLE` (first match); then the
-reply's class digit (4 transient, 5 permanent; RFC 3463 says to honour the class even when
-the subject or detail is unknown).
+Precedence: a 2xx after the final dot (or 250/251 to RCPT) is a success, and nothing else
+is; then no usable reply after the dot is ambiguous; then the site's rules
+(`delivery.rules`, first match); then the next-hop lookup, network events, replies out of
+step, and the built-in `_TABLE` (first match); then the reply's class digit (4 transient,
+5 permanent; RFC 3463 says to honour the class even when the subject or detail is unknown).
+
+A reply out of step (`replies.COMPLETES`: a 250 greeting, 252 to MAIL, 250 to DATA, 354 to
+RCPT, a code of no class) or no SMTP reply at all ("protocol") is a protocol error: the
+host's, transient, and its session is not to be trusted further. Our own failure ("local")
+is the message's, transient: no host is suspended for our bug.
 
 In short, the table says:
 - greylisting words ("greylisted", "graylist", "postgrey") in a 4xx: greylisting, recipient;
@@ -52,7 +58,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from .. import config
-from .replies import PHASES, Reply
+from .replies import COMPLETES, PHASES, Reply
 
 # Outcomes.
 DELIVERED = "delivered"
@@ -149,12 +155,12 @@ def classify(
 ) -> Verdict:
     """The verdict on one reply; `ambiguous_policy` is `delivery.ambiguous`."""
     klass = reply.code // 100
-    if klass == 2 or (klass == 3 and reply.phase == "data"):
-        # Only 2xx at RCPT and after the data are final; elsewhere this is a step done.
+    if reply.phase in ("rcpt", "data_end") and reply.code in COMPLETES[reply.phase]:
         return _verdict(reply, DELIVERED, OK)
-    if reply.code == 0 and reply.phase == "data_end":
-        # Checked before the site rules: choosing between a duplicate and a loss is
-        # delivery.ambiguous's job, not a regex's.
+    if reply.phase == "data_end" and klass not in (4, 5):
+        # No reply after the final dot, or one that means nothing there (garbage, 354):
+        # the server may have the message. Checked before the site rules: choosing between
+        # a duplicate and a loss is delivery.ambiguous's job, not a regex's.
         return _ambiguous(ambiguous_policy)
     for rule in rules:
         if rule.phase in ("", reply.phase) and rule.pattern.search(reply.line()):
@@ -169,8 +175,11 @@ def classify(
         return _dns(reply)
     if reply.code == 0:
         return _network(reply)
-    if klass not in (4, 5):  # 1xx, 3xx out of place, or no valid code at all
-        return _verdict(reply, TRANSIENT, PROTOCOL)
+    if klass not in (4, 5):
+        # Out of step: a 2xx/3xx where it does not belong, or no valid code. Its enhanced
+        # code (2.1.0 with a 252) says nothing about this failure.
+        out_of_step = msgspec.structs.replace(reply, enhanced="")
+        return _verdict(out_of_step, TRANSIENT, PROTOCOL, scope=HOST)
     key = f"{reply.phase} {reply.code} {reply.enhanced or '-'}"
     for row in _TABLE:
         if row.key.fullmatch(key) and (row.text is None or row.text.search(reply.text)):
@@ -370,7 +379,12 @@ def _dns(reply: Reply) -> Verdict:
 
 def _network(reply: Reply) -> Verdict:
     """No reply (refused, timeout, lost, TLS). Before MAIL it is the host's problem: try the
-    next MX; during a transaction RFC 5321 3.8 says to take it as a 451 for all of it."""
+    next MX; during a transaction RFC 5321 3.8 says to take it as a 451 for all of it.
+    Garbage is the host's at any phase; a local error is never the host's."""
+    if reply.network == "protocol":
+        return _verdict(reply, TRANSIENT, PROTOCOL, scope=HOST)
+    if reply.network == "local":
+        return _verdict(reply, TRANSIENT, OTHER, scope=MESSAGE, detail="3.0")
     setup = PHASES.index(reply.phase) < PHASES.index("mail")
     outcome = PERMANENT if reply.enhanced.startswith("5") else TRANSIENT
     if reply.network == "tls" and setup:

@@ -12,14 +12,27 @@ one-minute suspension into sixteen.
 A host is remembered after its release so that failing again right away keeps doubling;
 one released for longer than `maximum` without failing starts over. Such entries are
 dropped lazily, and at most `limit` hosts are remembered (the longest quiet go first).
+
+A host is a name and a port (`host_key`): two servers behind one address on different
+ports are two hosts, and one failing does not suspend the other.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .replies import Reply
+
 # Keeps 2**n finite on a very long streak; 64 doublings outgrow any sane maximum.
 _MAX_DOUBLINGS = 64
+
+
+def host_key(name: str, port: int) -> str:
+    """The host's name as it is shown, with its port unless 25: "mx1.example.org",
+    "relay.example.org:2525", "[::1]:2525"."""
+    if port == 25:
+        return name
+    return f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
 
 
 class HostSuspensions:
@@ -27,15 +40,16 @@ class HostSuspensions:
         self.base = base
         self.maximum = maximum
         self.limit = limit
-        # host -> (consecutive failures, suspended until); ordered by last failure
-        self._hosts: dict[str, tuple[int, float]] = {}
+        # host -> (consecutive failures, suspended until, why); ordered by last failure
+        self._hosts: dict[str, tuple[int, float, Reply | None]] = {}
 
     def __len__(self) -> int:
         """Hosts remembered: suspended, or released but still on a failure streak."""
         return len(self._hosts)
 
-    def failed(self, host: str, now: float) -> float:
-        """Suspend `host` after a failure at `now`; returns when it is released."""
+    def failed(self, host: str, now: float, reply: Reply | None = None) -> float:
+        """Suspend `host` after a failure at `now` (`reply` says what it was); returns when
+        it is released."""
         entry = self._hosts.pop(host, None)
         if entry is not None and now < entry[1]:  # the same outage, seen by another connection
             self._hosts[host] = entry
@@ -44,7 +58,7 @@ class HostSuspensions:
         until = now + min(self.maximum, self.base * 2.0 ** min(failures - 1, _MAX_DOUBLINGS))
         if len(self._hosts) >= self.limit:
             self._make_room(now)
-        self._hosts[host] = (failures, until)
+        self._hosts[host] = (failures, until, reply)
         return until
 
     def succeeded(self, host: str) -> None:
@@ -57,6 +71,11 @@ class HostSuspensions:
         if self._stale(entry[1], now):
             del self._hosts[host]
         return now < entry[1]
+
+    def reason(self, host: str) -> Reply | None:
+        """The failure that suspended `host`, if it is remembered."""
+        entry = self._hosts.get(host)
+        return entry[2] if entry is not None else None
 
     def available(self, hosts: Iterable[str], now: float) -> list[str]:
         """The hosts that are not suspended, in the given order."""
@@ -74,13 +93,13 @@ class HostSuspensions:
     def snapshot(self, now: float) -> dict[str, float]:
         """Suspended hosts and until when, for the control socket and metrics."""
         self._forget(now)
-        return {host: until for host, (_, until) in self._hosts.items() if now < until}
+        return {host: until for host, (_, until, _) in self._hosts.items() if now < until}
 
     def _stale(self, until: float, now: float) -> bool:
         return now >= until + self.maximum
 
     def _forget(self, now: float) -> None:
-        for host in [h for h, (_, until) in self._hosts.items() if self._stale(until, now)]:
+        for host in [h for h, (_, until, _) in self._hosts.items() if self._stale(until, now)]:
             del self._hosts[host]
 
     def _make_room(self, now: float) -> None:

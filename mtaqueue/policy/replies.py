@@ -16,8 +16,22 @@ import msgspec
 PHASES = ("dns", "connect", "banner", "ehlo", "starttls", "mail", "rcpt", "data", "data_end")
 
 # What happened instead of a reply (code 0). "lost" is a connection closed or reset,
-# "dns" a failed lookup of the next hop.
-NETWORK_EVENTS = ("refused", "timeout", "lost", "unreachable", "tls", "dns")
+# "dns" a failed lookup of the next hop, "protocol" something that is no SMTP reply
+# (garbage, an over-long line), "local" a failure on our side (not the server's doing).
+NETWORK_EVENTS = ("refused", "timeout", "lost", "unreachable", "tls", "dns", "protocol", "local")
+
+# The codes that complete each step (RFC 5321 4.2.1, 4.3.2), a 2xx after the final dot being
+# the only one that means delivered. Any other code that is not a 4xx/5xx refusal (a 250
+# greeting, 252 to MAIL, 250 to DATA) says the server is out of step with us.
+COMPLETES = {
+    "banner": frozenset({220}),
+    "ehlo": frozenset({250}),
+    "starttls": frozenset({220}),
+    "mail": frozenset({250}),
+    "rcpt": frozenset({250, 251}),
+    "data": frozenset({354}),
+    "data_end": frozenset(range(200, 300)),
+}
 
 # RFC 3463 class.subject.detail; the class must agree with the reply code's first
 # digit (RFC 2034 section 3), otherwise it is just text.
@@ -30,6 +44,8 @@ _EVENTS = {
     "unreachable": "host unreachable",
     "tls": "TLS failure",
     "dns": "DNS failure",
+    "protocol": "unreadable reply",
+    "local": "local error",
 }
 _WHILE = {
     "dns": "while looking up the next hop",

@@ -15,11 +15,16 @@ import ssl
 from dataclasses import dataclass
 
 import aiosmtplib
+from aiosmtplib import SMTPResponseException
 
 from ..config import TimeoutsConfig
+from ..delivery.conversion import Refused, prepare
+from ..logs import get_logger
 from ..model import Message, Recipient
-from ..policy.replies import Reply
+from ..policy.replies import COMPLETES, Reply
 from .addresses import xtext_encode
+
+log = get_logger("delivery")
 
 _DOT_LINE = re.compile(rb"^\.", re.MULTILINE)
 
@@ -96,7 +101,7 @@ class SmtpConnection:
         conn = cls(client, host, ip, tls=False)
         try:
             greeting = await _step(
-                "banner", client.connect(sock=sock, timeout=t.banner, start_tls=False)
+                conn, "banner", client.connect(sock=sock, timeout=t.banner, start_tls=False)
             )
             conn.banner = greeting.message
             await conn._hello(t.ehlo)
@@ -120,6 +125,7 @@ class SmtpConnection:
         """
         try:
             await _step(
+                self,
                 "starttls",
                 self.client.starttls(
                     tls_context=_TLS, server_hostname=self.host, timeout=t.starttls
@@ -141,28 +147,47 @@ class SmtpConnection:
 
     async def _hello(self, timeout: float) -> None:
         try:
-            await _step("ehlo", self.client.ehlo(timeout=timeout))
+            await _step(self, "ehlo", self.client.ehlo(timeout=timeout))
         except ConnectFailed as failed:
             if not 500 <= failed.reply.code < 600:
                 raise
-            await _step("ehlo", self.client.helo(timeout=timeout))  # an old server
+            await _step(self, "ehlo", self.client.helo(timeout=timeout))  # an old server
 
     async def send(
         self, message: Message, recipients: list[Recipient], content: bytes, t: TimeoutsConfig
     ) -> list[Reply]:
         """One transaction; returns the decisive reply for each recipient, in order.
 
-        A failure that ends the connection raises ConnectFailed only before MAIL;
-        from MAIL on, it is reported as every pending recipient's reply.
+        Every failure is a reply: a refusal, a network event, a protocol error, or a local
+        error (ours) for anything else before the final dot. A session left in doubt is
+        closed (`usable` turns false) so that no later reply can be taken for another's.
         """
         self.transactions += 1
+        try:
+            return await self._send(message, recipients, content, t)
+        except Exception as exc:  # a bug of ours before the final dot: nothing was delivered
+            self.abort()
+            reply = _network("mail", "local", f"local error: {type(exc).__name__}: {exc}")
+            return [reply] * len(recipients)
+
+    async def _send(
+        self, message: Message, recipients: list[Recipient], content: bytes, t: TimeoutsConfig
+    ) -> list[Reply]:
         client = self.client
         if message.smtputf8 and not client.supports_extension("smtputf8"):
             reply = Reply("mail", 553, "5.6.7", f"{self.host} does not support SMTPUTF8")
             return [reply] * len(recipients)
+        # RFC 6531 makes 8BITMIME part of SMTPUTF8; Postfix also takes one for the other.
+        eightbitmime = client.supports_extension("8bitmime")
+        prepared = prepare(
+            content, eightbitmime=eightbitmime or client.supports_extension("smtputf8")
+        )
+        if isinstance(prepared, Refused):
+            reply = Reply("mail", 554, prepared.status, f"{prepared.reason} ({self.host})")
+            return [reply] * len(recipients)
         dsn = self.dsn
-        options = [f"SIZE={len(content)}"]
-        if message.body == "8BITMIME" and client.supports_extension("8bitmime"):
+        options = [f"SIZE={len(prepared.content)}"]
+        if prepared.eight_bit and eightbitmime:
             options.append("BODY=8BITMIME")
         if message.smtputf8:
             options.append("SMTPUTF8")
@@ -170,9 +195,11 @@ class SmtpConnection:
             options.append(f"RET={message.ret}")
         if dsn and message.envid:
             options.append(f"ENVID={xtext_encode(message.envid)}")
+        # Addresses in UTF-8 only with SMTPUTF8 (RFC 6531 3.2); else they are ASCII.
+        encoding = "utf-8" if message.smtputf8 else "ascii"
         replies: list[Reply | None] = [None] * len(recipients)
         try:
-            await _step("mail", client.mail(message.sender, options=options, timeout=t.mail))
+            await self._command("mail", "MAIL FROM", message.sender, options, encoding, t.mail)
         except ConnectFailed as failed:
             await self._reset()
             return [failed.reply] * len(recipients)
@@ -185,7 +212,7 @@ class SmtpConnection:
                 kind, _, address = rcpt.orcpt.partition(";")
                 rcpt_options.append(f"ORCPT={kind};{xtext_encode(address)}")
             try:
-                await _step("rcpt", client.rcpt(rcpt.address, options=rcpt_options, timeout=t.rcpt))
+                await self._command("rcpt", "RCPT TO", rcpt.address, rcpt_options, encoding, t.rcpt)
                 accepted.append(i)
             except ConnectFailed as failed:
                 replies[i] = failed.reply
@@ -194,47 +221,86 @@ class SmtpConnection:
         if not accepted:
             await self._reset()
             return [r for r in replies if r is not None]
-        final = await self._data(content, t)
+        final = await self._data(prepared.content, t)
         return [r or final for r in replies]
+
+    async def _command(
+        self,
+        phase: str,
+        verb: str,
+        address: str,
+        options: list[str],
+        encoding: str,
+        timeout: float,
+    ) -> None:
+        """MAIL FROM:<address> or RCPT TO:<address>, with its parameters."""
+        try:
+            words = [f"{verb}:<{address}>".encode(encoding), *(o.encode("ascii") for o in options)]
+        except UnicodeEncodeError as exc:  # nothing sent: the session is as it was
+            raise ConnectFailed(_network(phase, "local", f"local error: {exc}")) from None
+        await _step(self, phase, self.client.execute_command(b" ".join(words), timeout=timeout))
 
     async def _data(self, content: bytes, t: TimeoutsConfig) -> Reply:
         """DATA with its own timeouts for the 354 and for the final reply.
 
         aiosmtplib's data() uses one timeout for both and cannot tell which step
-        failed; the step matters (a lost reply after the final dot is ambiguous).
+        failed; the step matters: from the final dot on, any failure is ambiguous (the
+        server may have the message), and only a 2xx is a delivery.
         """
-        protocol = self.client.protocol
-        assert protocol is not None
         try:
-            start = await _step("data", self.client.execute_command(b"DATA", timeout=t.data_start))
+            await _step(self, "data", self.client.execute_command(b"DATA", timeout=t.data_start))
         except ConnectFailed as failed:
+            await self._reset()  # a refused DATA leaves the transaction open
             return failed.reply
-        if start.code != 354:
-            return Reply.parse("data", start.code, start.message)
         body = _DOT_LINE.sub(b"..", content)
         if not body.endswith(b"\r\n"):
             body += b"\r\n"
+        protocol = self.client.protocol
+        if protocol is None:
+            return _network("data", "lost", "connection lost before the content was sent")
+        # As aiosmtplib's execute_data_command does after the 354 (the connection is this
+        # worker's alone: no command lock).
+        protocol._response_pending = True
         try:
-            # The same sequence as aiosmtplib's execute_data_command, after the 354.
-            async with protocol._command_lock:  # type: ignore[union-attr]
-                protocol._response_pending = True
-                protocol.write(body + b".\r\n")
-                final = await protocol.read_response(timeout=t.data_done)
+            protocol.write(body + b".\r\n")
+        except Exception as exc:
+            self.abort()
+            return _network("data", "lost", f"the content could not be sent: {exc}")
+        try:
+            final = await protocol.read_response(timeout=t.data_done)
         except aiosmtplib.SMTPTimeoutError:
-            return _network("data_end", "timeout", "no reply after the end of data")
+            reply = _network("data_end", "timeout", "no reply after the end of data")
         except (aiosmtplib.SMTPServerDisconnected, ConnectionError):
-            return _network("data_end", "lost", "connection lost after the end of data")
-        return Reply.parse("data_end", final.code, final.message)
+            reply = _network("data_end", "lost", "connection lost after the end of data")
+        except aiosmtplib.SMTPResponseException as exc:  # garbage, or a reply too long
+            reply = _reply("data_end", exc.code, exc.message)
+        except Exception as exc:
+            reply = _network("data_end", "local", f"local error after the end of data: {exc}")
+        else:
+            reply = _reply("data_end", final.code, final.message)
+            if final.code // 100 in (2, 4, 5) and final.code != 421 and self._in_step():
+                return reply
+        self.abort()  # the session is over (421), or a later reply could be this one's
+        return reply
+
+    def _in_step(self) -> bool:
+        """No more than the one reply came: a server that sends two (or a late one) would
+        have every later reply taken for the one before."""
+        protocol = self.client.protocol
+        return protocol is not None and not protocol._buffer
 
     async def _reset(self) -> None:
-        if self.client.is_connected:
-            try:
-                await self.client.rset(timeout=30)
-            except (aiosmtplib.SMTPException, OSError):
-                self.abort()
+        if not self.client.is_connected:
+            return
+        try:
+            await self.client.rset(timeout=30)
+        except Exception as exc:  # "421 too many errors" and the like: the session is over
+            reply = f"{exc.code} {exc.message}" if isinstance(exc, SMTPResponseException) else exc
+            log.warning("rset_failed", host=self.host, ip=self.ip, reply=str(reply))
+            self.abort()
 
     async def quit(self) -> None:
-        with contextlib.suppress(aiosmtplib.SMTPException, OSError):
+        with contextlib.suppress(Exception):  # a courtesy: whatever happens, it is closed
             if self.client.is_connected:
                 await self.client.quit(timeout=10)
         self.abort()
@@ -244,21 +310,44 @@ class SmtpConnection:
             self.client.close()
 
 
-async def _step(phase: str, call):
-    """Await an aiosmtplib call; turn its exceptions into a ConnectFailed(Reply)."""
+async def _step(conn: SmtpConnection, phase: str, call):
+    """Await one aiosmtplib step and check its reply against the codes that complete it.
+
+    Any failure raises ConnectFailed(Reply): a 4xx/5xx refusal leaves the session as it
+    is; anything else (a timeout, a lost connection, a reply out of step, garbage, more
+    than one reply, a local error) leaves it in doubt, so it is closed.
+    """
     try:
-        return await call
+        response = await call
     except aiosmtplib.SMTPTimeoutError:
-        text = f"timed out waiting for the {phase} reply"
-        raise ConnectFailed(_network(phase, "timeout", text)) from None
+        reply = _network(phase, "timeout", f"timed out waiting for the {phase} reply")
     except aiosmtplib.SMTPServerDisconnected:
-        raise ConnectFailed(_network(phase, "lost", f"connection lost during {phase}")) from None
-    except aiosmtplib.SMTPResponseException as exc:
-        raise ConnectFailed(Reply.parse(phase, exc.code, exc.message)) from None
+        reply = _network(phase, "lost", f"connection lost during {phase}")
+    except aiosmtplib.SMTPResponseException as exc:  # aiosmtplib checked the code
+        reply = _reply(phase, exc.code, exc.message)
     except ssl.SSLError as exc:
-        raise ConnectFailed(_network(phase, "tls", f"TLS failed: {exc}")) from None
+        reply = _network(phase, "tls", f"TLS failed: {exc}")
     except (aiosmtplib.SMTPException, OSError) as exc:
-        raise ConnectFailed(_network(phase, "lost", f"{phase}: {exc}")) from None
+        reply = _network(phase, "lost", f"{phase}: {exc}")
+    except Exception as exc:  # ours: an address that does not encode, a bug
+        reply = _network(phase, "local", f"local error: {type(exc).__name__}: {exc}")
+    else:
+        if response.code in COMPLETES[phase] and conn._in_step():
+            return response
+        if response.code in COMPLETES[phase]:
+            reply = _network(phase, "protocol", f"more than one reply to {phase}")
+        else:
+            reply = _reply(phase, response.code, response.message)
+    if not 400 <= reply.code < 600:
+        conn.abort()
+    raise ConnectFailed(reply)
+
+
+def _reply(phase: str, code: int, message: str) -> Reply:
+    """A server's reply; one without a valid code is no SMTP reply at all."""
+    if 100 <= code < 600:
+        return Reply.parse(phase, code, message)
+    return _network(phase, "protocol", f"protocol error: {message}"[:500])
 
 
 def _network(phase: str, event: str, text: str) -> Reply:

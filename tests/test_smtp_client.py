@@ -1,0 +1,75 @@
+"""The delivery client (mtaqueue.smtp.client) against a real peer, without a daemon: what
+it sends for content the submission side accepts but SMTP cannot carry as it is."""
+
+from __future__ import annotations
+
+import asyncio
+import email
+import email.policy
+
+import pytest
+from smtp_peer import SmtpPeer
+
+from mtaqueue.config import TimeoutsConfig
+from mtaqueue.model import Message, Recipient
+from mtaqueue.policy.classify import classify
+from mtaqueue.smtp.client import ClientSettings, SmtpConnection
+
+TIMEOUTS = TimeoutsConfig()
+SETTINGS = ClientSettings("mx.test", TIMEOUTS, "off")
+
+
+@pytest.fixture
+def peer():
+    with SmtpPeer("127.0.0.2") as running:  # aiosmtpd: lines over 1000 octets are refused
+        yield running
+        assert running.errors == []
+
+
+def deliver(peer: SmtpPeer, content: bytes) -> str:
+    message = Message("q1", "app@sender.test", (Recipient("a@example.org"),), 0.0, 0, "p1")
+
+    async def run() -> str:
+        conn = await SmtpConnection.open("mx.example.org", peer.host, peer.port, SETTINGS)
+        try:
+            (reply,) = await conn.send(
+                message, list(message.recipients), content, SETTINGS.timeouts
+            )
+        finally:
+            await conn.quit()
+        return reply.line()
+
+    return asyncio.run(run())
+
+
+def test_long_lines_are_made_legal_on_the_way_out(peer):
+    # What swaks sends with 1001 recipients on one To: line, and an app's minified HTML.
+    to = "To: " + ", ".join(f"user{i}@example.org" for i in range(1001))
+    html = "<p>" + "x" * 5000 + "</p>"
+    content = f"Subject: long\r\n{to}\r\nContent-Type: text/html\r\n\r\n{html}\r\n".encode()
+    assert deliver(peer, content).startswith("250 ")
+    (received,) = peer.messages
+    assert max(map(len, received.content.split(b"\r\n"))) <= 998
+    message = email.message_from_bytes(received.content, policy=email.policy.default)
+    assert message["To"] == to.removeprefix("To: ")  # folded, unfolds to the same
+    assert message["Content-Transfer-Encoding"] == "quoted-printable"
+    assert message.get_content() == html + "\r\n"
+
+
+def test_an_address_that_cannot_be_sent_fails_alone_as_a_local_error(peer):
+    # A lone surrogate is what undecodable UTF-8 became: it cannot go on the wire.
+    bad, good = Recipient("a\udcff@example.org"), Recipient("b@example.org")
+    message = Message("q1", "app@sender.test", (bad, good), 0.0, 0, "p1", smtputf8=True)
+
+    async def run():
+        conn = await SmtpConnection.open("mx.example.org", peer.host, peer.port, SETTINGS)
+        try:
+            return await conn.send(message, [bad, good], b"Subject: x\r\n\r\nx\r\n", TIMEOUTS)
+        finally:
+            await conn.quit()
+
+    refused, accepted = asyncio.run(run())
+    assert (refused.phase, refused.network) == ("rcpt", "local")
+    assert classify(refused).outcome == "transient"  # charged and retried, never a loop
+    assert accepted.code == 250
+    assert [m.rcpt_tos for m in peer.messages] == [["b@example.org"]]
