@@ -80,3 +80,27 @@ def test_8bit_header_for_a_server_without_8bitmime_bounces_with_5_6_3(start_daem
         assert "8-bit characters in a header (Subject)" in event["text"]
         wait_for(lambda: events(daemon, "dsn_queued"), what="the bounce")
         assert peer.messages == [] and peer.transactions == 0
+
+
+def test_long_lines_accepted_at_submission_leave_legal_and_decode_the_same(start_daemon):
+    # Submission takes what Postfix takes (a 1001-recipient To: line, a minified HTML part
+    # of 300 KB on one line: larger than the inline conversion size); the peer, aiosmtpd,
+    # refuses any line over 1000 octets, so the delivery proves the lines were made legal.
+    to_line = "To: " + ", ".join(f"user{i}@rcpt.test" for i in range(1001))
+    html = "<html><body>" + "<p>caf\u00e9</p>" * 25_000 + "</body></html>"
+    content = (
+        f"{to_line}\r\nSubject: minified\r\nMIME-Version: 1.0\r\n"
+        "Content-Type: text/html; charset=utf-8\r\nContent-Transfer-Encoding: 8bit\r\n\r\n"
+        f"{html}\r\n"
+    ).encode()
+    with MailNet(["127.0.0.5"], eightbitmime=False, smtputf8=False) as net:
+        (peer,) = net.peers
+        net.add_domain("long.test", "127.0.0.5")
+        daemon = start_daemon(*net.daemon_overrides(), *FAST)
+        daemon.send("app@sender.test", ["a@long.test"], content)
+        (received,) = wait_for(lambda: peer.messages, what="the delivery", timeout=30)
+        assert received.content.isascii()
+        assert max(map(len, received.content.split(b"\r\n"))) <= 998
+        message = email.message_from_bytes(received.content, policy=email.policy.default)
+        assert message.get_content() == html + "\r\n"
+        assert len(message["To"].addresses) == 1001
