@@ -581,6 +581,17 @@ def test_expire_due_expires_the_pending_recipients():
     assert [e["event"] for e in out.events] == ["expired", "expired"]
 
 
+def test_an_expiry_after_network_failures_reports_the_last_of_them():
+    # No server ever answered: the DSN still says why (it used to give no reason at all).
+    refused = Reply("connect", 0, "4.4.1", network="refused")
+    msg = message(rcpt(state=DEFERRED, attempts=4, last_reply=refused.line()))
+    out = expire_due(msg, T0 + 5 * D, settings())
+    assert out is not None
+    (report,) = out.failed
+    assert report.diagnostic == refused.line() and refused.line()
+    assert report.status == "4.4.1"
+
+
 def test_expire_due_honours_the_expires_header():
     assert expire_due(pending_message(expires=T0 + H), T0 + H - 1, settings()) is None
     assert expire_due(pending_message(expires=T0 + H), T0 + H, settings()) is not None
@@ -614,7 +625,7 @@ def test_bounce_now_fails_every_pending_recipient():
     by_rcpt = {r.recipient.address: r for r in out.failed}
     assert by_rcpt["b@example.net"].status == "4.3.0"  # the last real reply's
     assert by_rcpt["c@example.net"].status == "5.0.0"
-    assert by_rcpt["c@example.net"].diagnostic is None  # the reason is not a server's reply
+    assert by_rcpt["c@example.net"].diagnostic == "bounced by the operator"
     assert [e["rcpt"] for e in out.events] == ["b@example.net", "c@example.net"]
     assert {e["event"] for e in out.events} == {"bounced_by_operator"}
 

@@ -236,24 +236,22 @@ def _report(
         recipient=rcpt,
         action=action,
         status=status,
-        diagnostic=rcpt.last_reply if _is_smtp(rcpt) else None,
+        # A server's reply, or our own words for what happened (connection refused, no
+        # SMTPUTF8 at the hop, bounced by the operator): a DSN always says why.
+        diagnostic=rcpt.last_reply,
         remote_mta=rcpt.remote_mta,
         last_attempt=rcpt.last_attempt,
         will_retry_until=retry_until,
     )
 
 
-def _is_smtp(rcpt: Recipient) -> bool:
-    """Whether last_reply is a server's reply (starts with a 3-digit code)."""
-    reply = rcpt.last_reply or ""
-    return len(reply) >= 3 and reply[:3].isdigit()
-
-
 def _status_of(reply: str | None) -> str:
-    """The enhanced status code in a reply line ("550 5.1.1 ..." -> "5.1.1"), or ""."""
+    """The enhanced status code in a reply line ("550 5.1.1 ..." -> "5.1.1"; a network
+    event's "4.4.1 connection refused ..." -> "4.4.1"), or ""."""
     parts = (reply or "").split(" ", 2)
-    if len(parts) >= 2 and parts[1][:1] in "245" and parts[1].count(".") == 2:
-        return parts[1]
+    for part in parts[:2]:
+        if part[:1] in "245" and part.count(".") == 2:
+            return part
     return ""
 
 
