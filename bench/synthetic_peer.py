@@ -36,7 +36,9 @@ Blocklist: after a 421 (4.7.28 or 4.7.0) the client is watched for `--blocklist-
 seconds (60 by default; every further 421 extends the watch); more than `--blocklist-after`
 new connections, or more than that many MAIL commands, inside the watch blocklist it for
 `--blocklist-for` seconds. Connections while blocked do not extend the block. On release
-the watch starts clean.
+the watch starts clean. `--blocklist-throttles N` also lists a client told more than N
+421s (rate or connection cap) within `--blocklist-window` seconds, however few
+connections or MAILs it opened meanwhile.
 
 `--time-scale S` multiplies the policy windows: greylist window, rate period,
 `--blocklist-for` and `--blocklist-window`. `--time-scale 0.01` makes a 300 s greylist 3 s
@@ -73,7 +75,7 @@ import signal
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -204,6 +206,7 @@ class _Client:
         "peak",
         "rate_limited",
         "tat",
+        "throttled_at",
         "watch_conns",
         "watch_mails",
         "watch_until",
@@ -225,6 +228,7 @@ class _Client:
         self.watch_until = 0.0  # after a 421: connections/MAILs are counted until then
         self.watch_conns = 0
         self.watch_mails = 0
+        self.throttled_at: deque[float] = deque()  # 421s told inside the window
         self.blocked_until = 0.0
 
     def as_dict(self) -> dict[str, int]:
@@ -394,6 +398,7 @@ class SyntheticPeer:
         slow_banner_at: int | None = None,
         slow_factor: float = 0.05,
         blocklist_after: int | None = None,
+        blocklist_throttles: int | None = None,
         blocklist_for: float = 600.0,
         blocklist_window: float = 60.0,
         bounces: Iterable[str] = (),
@@ -417,6 +422,7 @@ class SyntheticPeer:
         for name, value in (
             ("max_connections", max_connections),
             ("blocklist_after", blocklist_after),
+            ("blocklist_throttles", blocklist_throttles),
             ("burst", burst),
         ):
             if value is not None and value < 1:
@@ -435,6 +441,7 @@ class SyntheticPeer:
         self.slow_banner_at = slow_banner_at
         self.slow_factor = float(slow_factor)
         self.blocklist_after = blocklist_after
+        self.blocklist_throttles = blocklist_throttles
         self.blocklist_for = float(blocklist_for)
         self.blocklist_window = float(blocklist_window)
         self.bounces = frozenset(address.strip().lower() for address in bounces)
@@ -648,18 +655,30 @@ class SyntheticPeer:
             client.watch_conns += 1
             count = client.watch_conns
         if count > self.blocklist_after:
-            client.blocked_until = now + self._block_for
-            client.listings += 1
-            self.blocklistings += 1
-            client.watch_until = 0.0
-            client.watch_conns = client.watch_mails = 0
+            self._list(client, now)
 
     def _told_421(self, client: _Client, now: float) -> None:
+        if self.blocklist_throttles is not None:
+            told = client.throttled_at
+            told.append(now)
+            while told[0] <= now - self._block_window:
+                told.popleft()
+            if len(told) > self.blocklist_throttles:
+                self._list(client, now)
+                told.clear()
+                return
         if self.blocklist_after is None:
             return
         if now >= client.watch_until:
             client.watch_conns = client.watch_mails = 0
         client.watch_until = now + self._block_window
+
+    def _list(self, client: _Client, now: float) -> None:
+        client.blocked_until = now + self._block_for
+        client.listings += 1
+        self.blocklistings += 1
+        client.watch_until = 0.0
+        client.watch_conns = client.watch_mails = 0
 
     def _blocked(self, client: _Client) -> str:
         client.hits += 1
@@ -739,6 +758,7 @@ class SyntheticPeer:
                 "slow_banner_at": self.slow_banner_at,
                 "slow_factor_s": self.slow_factor,
                 "blocklist_after": self.blocklist_after,
+                "blocklist_throttles": self.blocklist_throttles,
                 "blocklist_for_s": self.blocklist_for,
                 "blocklist_window_s": self.blocklist_window,
                 "bounces": len(self.bounces),
@@ -1081,6 +1101,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--blocklist-window after a 421",
     )
     add(
+        "--blocklist-throttles",
+        type=int,
+        metavar="N",
+        help="blocklist a client told more than N throttle replies (421) within --blocklist-window",
+    )
+    add(
         "--blocklist-for",
         type=float,
         default=600.0,
@@ -1157,6 +1183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             slow_banner_at=args.slow_banner_at,
             slow_factor=args.slow_factor,
             blocklist_after=args.blocklist_after,
+            blocklist_throttles=args.blocklist_throttles,
             blocklist_for=args.blocklist_for,
             blocklist_window=args.blocklist_window,
             bounces=bounces,

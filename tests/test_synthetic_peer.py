@@ -229,6 +229,42 @@ def test_mail_commands_after_a_421_count_towards_the_blocklist(make_peer):
     assert peer.report()["blocklist"]["hits"] == 2
 
 
+def mail_once(peer: SyntheticPeer) -> int:
+    """One connection, one MAIL: its reply code."""
+    with connect(peer) as client:
+        client.ehlo()
+        return client.mail("a@sender.test")[0]
+
+
+def test_a_handful_of_throttle_replies_within_the_window_is_blocklisted(make_peer):
+    # Scaled by 0.01: a 1 s window, blocklisted for 0.5 s; one MAIL per 10 s; the watch
+    # after a 421 (blocklist_after) is off, so only the count of 421s lists the client.
+    peer = make_peer(rate="1/1000s", blocklist_throttles=2, blocklist_for=50,
+                     blocklist_window=100, time_scale=0.01)  # fmt: skip
+    assert send(peer) == {}
+    assert [mail_once(peer) for _ in range(3)] == [421, 421, 421]  # the 3rd lists it
+    with pytest.raises(smtplib.SMTPConnectError) as refused:
+        connect(peer)
+    assert refused.value.smtp_code == 550
+    report = peer.report()
+    assert report["blocklist"]["listings"] == 1
+    assert report["settings"]["blocklist_throttles"] == 2
+    time.sleep(0.55)  # released; two more 421s in a fresh window are tolerated
+    assert [mail_once(peer) for _ in range(2)] == [421, 421]
+    assert peer.report()["blocklist"]["listings"] == 1
+
+
+def test_throttle_replies_spread_beyond_the_window_are_not_blocklisted(make_peer):
+    # A 0.2 s window: three 421s 0.25 s apart never make two inside it.
+    peer = make_peer(rate="1/1000s", blocklist_throttles=1, blocklist_window=20,
+                     time_scale=0.01)  # fmt: skip
+    assert send(peer) == {}
+    for _ in range(3):
+        assert mail_once(peer) == 421
+        time.sleep(0.25)
+    assert peer.report()["blocklist"]["listings"] == 0
+
+
 def test_hard_bounces_for_listed_mailboxes(make_peer):
     peer = make_peer(bounces=["Gone@Example.org"])
     refused = send(peer, rcpts=["ok@example.org", "gone@EXAMPLE.org"])
