@@ -16,16 +16,20 @@
 from __future__ import annotations
 
 import json
+import shutil
 import smtplib
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_parser, stop_process, work_directory
+from common import load_parser, stop_process, tree_pids, work_directory
 from postfix_instance import PostfixInstance, postfix_available, smtp_source
+from synthetic_peer import SyntheticPeer
 
 from mtaqueue.ids import IdGenerator
 from mtaqueue.model import Message, Recipient
@@ -33,6 +37,7 @@ from mtaqueue.spool.layout import SpoolLayout
 from mtaqueue.spool.writer import Accept, SpoolWriter
 
 POSTFIX_ADDR = "127.0.0.1:2625"
+SINK_IP = "127.0.0.5"  # where the first-delivery measurement relays everything
 
 
 class Mtaqueue:
@@ -41,10 +46,15 @@ class Mtaqueue:
     def __init__(self, spool: Path, port: int, *overrides: str) -> None:
         self.spool, self.port, self.overrides = spool, port, overrides
         self.proc: subprocess.Popen | None = None
+        self.started = 0.0
 
     def start(self) -> float:
         """Start; returns seconds until the first message is acknowledged."""
-        started = time.monotonic()
+        self.launch()
+        return self.wait_accepting()
+
+    def launch(self) -> None:
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "mtaqueue.daemon",
@@ -56,13 +66,20 @@ class Mtaqueue:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
+
+    def wait_accepting(self, timeout: float = 600) -> float:
+        """Seconds from launch() until a probe message got its 250."""
+        assert self.proc is not None
         while True:
+            left = self.started + timeout - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no 250 within {timeout:.0f} s")
             try:
-                with smtplib.SMTP("127.0.0.1", self.port, timeout=30) as client:
+                with smtplib.SMTP("127.0.0.1", self.port, timeout=min(30, left)) as client:
                     client.sendmail(
                         "probe@example.com", ["probe@example.org"], b"Subject: p\r\n\r\n"
                     )
-                return time.monotonic() - started
+                return time.monotonic() - self.started
             except OSError:
                 if self.proc.poll() is not None:
                     raise RuntimeError("mtaqueue exited") from None
@@ -146,36 +163,217 @@ def fill_spool(spool: Path, count: int, size: int, domains: int = 50) -> None:
     writer.close()
 
 
+def rss_kib(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of one process, KiB; (0, 0) once it is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0, 0
+    values = dict(line.split(":", 1) for line in lines if ":" in line)
+    return tuple(int(values.get(k, "0 kB").split()[0]) for k in ("VmRSS", "VmHWM"))
+
+
+class Watch:
+    """Samples the resident memory of the daemon and of its children (the spool writer)
+    every 0.25 s in a thread, keeps the peaks, and kills the daemon when the two together
+    pass `limit_kib` (a run that would take the shared machine's memory)."""
+
+    def __init__(self, mq: Mtaqueue, limit_kib: int) -> None:
+        assert mq.proc is not None
+        self.pid, self.proc, self.limit = mq.proc.pid, mq.proc, limit_kib
+        self.daemon = self.writer = self.peak_total = 0
+        self.killed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def sample(self) -> tuple[int, int]:
+        """(daemon, writer) RSS now, KiB."""
+        daemon = rss_kib(self.pid)[0]
+        writer = sum(rss_kib(pid)[0] for pid in tree_pids(self.pid)[1:])
+        return daemon, writer
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            daemon, writer = self.sample()
+            self.daemon, self.writer = max(self.daemon, daemon), max(self.writer, writer)
+            self.peak_total = max(self.peak_total, daemon + writer)
+            if daemon + writer > self.limit and self.proc.poll() is None:
+                self.killed = True
+                self.proc.kill()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def settled_rss(watch: Watch, longest: float = 60.0) -> tuple[int, int]:
+    """(daemon, writer) RSS once the total stops growing (within 1% over 2 s: the start-up
+    sweep is done) or after `longest` seconds."""
+    deadline = time.monotonic() + longest
+    last = sum(watch.sample())
+    while time.monotonic() < deadline:
+        time.sleep(2)
+        now = watch.sample()
+        if abs(sum(now) - last) <= 0.01 * last:
+            return now
+        last = sum(now)
+    return watch.sample()
+
+
+@dataclass
+class Startup:
+    """One queue size's figures (seconds; KiB)."""
+
+    queued: int
+    fill_s: float = 0.0
+    first_s: float | None = None  # start -> first 250, first start (merges the journal)
+    restart_s: float | None = None  # the same, a plain restart
+    accepting_s: float | None = None  # the same, delivery on
+    first_delivery_s: float | None = None  # start -> the sink accepts the first message
+    daemon_kib: int = 0  # settled, after the restart (delivery off)
+    writer_kib: int = 0
+    peak_kib: int = 0  # daemon + writer, highest sample over every start
+    failed: str = ""  # why a start gave no figure (over the memory limit, timed out)
+
+    @property
+    def total_kib(self) -> int:
+        return self.daemon_kib + self.writer_kib
+
+
+def timed_start(mq: Mtaqueue, row: Startup, args, sink: SyntheticPeer | None = None):
+    """Start `mq`, watched: (seconds to the first 250, seconds to the first delivery at
+    `sink` or None, the watch). On a failure `row.failed` says why and the daemon is
+    stopped."""
+    mq.launch()
+    watch = Watch(mq, args.rss_limit_mb * 1024)
+    started = mq.started
+    try:
+        accepting = mq.wait_accepting(args.start_timeout)
+        delivered = None
+        if sink is not None:
+            while sink.first_accepted_at is None:
+                if time.monotonic() - started > args.start_timeout or mq.proc.poll() is not None:
+                    raise RuntimeError("no delivery")
+                time.sleep(0.01)
+            delivered = sink.first_accepted_at - (time.time() - (time.monotonic() - started))
+        return accepting, delivered, watch
+    except (RuntimeError, TimeoutError) as exc:
+        watch.stop()
+        row.peak_kib = max(row.peak_kib, watch.peak_total)
+        mq.stop()
+        row.failed = f"over {args.rss_limit_mb} MB RSS (killed)" if watch.killed else f"{exc}"
+        return None, None, None
+
+
+def startup(args, workdir: Path, queued: int) -> Startup:
+    row = Startup(queued)
+    spool = workdir / f"full{queued}"
+    started = time.monotonic()
+    fill_spool(spool, queued, args.size)
+    row.fill_s = time.monotonic() - started
+    print(f"filled a spool with {queued} messages in {row.fill_s:.1f} s", flush=True)
+    off = Mtaqueue(spool, 2628, "delivery.enabled=false")
+    # The first start merges the filler's journal segments; then a plain restart, left
+    # running until its memory has settled.
+    for attr in ("first_s", "restart_s"):
+        seconds, _, watch = timed_start(off, row, args)
+        if watch is None:
+            return row
+        setattr(row, attr, seconds)
+        if attr == "restart_s":
+            row.daemon_kib, row.writer_kib = settled_rss(watch)
+        watch.stop()
+        row.peak_kib = max(row.peak_kib, watch.peak_total)
+        off.stop()
+    # Delivery on, everything relayed to a local sink: until it accepts the first message.
+    # The probe is refused (and so is its DSN): the first message accepted is a queued one.
+    probes = ("probe@example.org", "probe@example.com")
+    with SyntheticPeer([f"{SINK_IP}:0"], timeline=False, bounces=probes) as sink:
+        on = Mtaqueue(spool, 2628, f"delivery.relayhost=[{SINK_IP}]:{sink.port}")
+        row.accepting_s, row.first_delivery_s, watch = timed_start(on, row, args, sink)
+        if watch is not None:
+            watch.stop()
+            row.peak_kib = max(row.peak_kib, watch.peak_total)
+            on.stop()
+    return row
+
+
 def startup_and_memory(args, workdir: Path) -> None:
     empty = Mtaqueue(workdir / "empty", 2627)
     empty_start = empty.start()
     time.sleep(1)
-    empty_rss = empty.rss_kib()
+    base = Watch(empty, 1 << 40)
+    base_daemon, base_writer = base.sample()
+    base.stop()
     empty.stop()
-
-    full_spool = workdir / "full"
-    started = time.monotonic()
-    fill_spool(full_spool, args.queued, args.size)
-    print(f"filled a spool with {args.queued} messages in {time.monotonic() - started:.1f} s")
-    full = Mtaqueue(full_spool, 2628)
-    first = full.start()  # merges the filler's journal segments on this first start
-    full.stop()
-    second = full.start()  # a plain restart
-    time.sleep(3)  # let the background sweep finish
-    full_rss = full.rss_kib()
-    full.stop()
-    print(f"start to first 250, empty spool:  {empty_start:.2f} s")
     print(
-        f"start to first 250, {args.queued} queued: {first:.2f} s (first), {second:.2f} s (restart)"
+        f"empty spool: first 250 after {empty_start:.2f} s; RSS daemon {base_daemon} KiB, "
+        f"writer {base_writer} KiB",
+        flush=True,
     )
-    per_message = (full_rss - empty_rss) * 1024 / args.queued
-    print(f"resident memory: empty {empty_rss} KiB, {args.queued} queued {full_rss} KiB")
-    print(f"resident memory per queued message: {per_message:.0f} bytes")
+    rows = []
+    for queued in args.queued:
+        rows.append(startup(args, workdir, queued))
+        shutil.rmtree(workdir / f"full{queued}", ignore_errors=True)
+        print(startup_table(rows, base_daemon + base_writer), flush=True)
+
+
+def startup_table(rows: list[Startup], base_kib: int) -> str:
+    """The figures of every size side by side, one column per size."""
+
+    def secs(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    def mib(kib: int) -> str:
+        return f"{kib / 1024:.0f}" if kib else "-"
+
+    def per_message(row: Startup) -> str:
+        if not row.total_kib:
+            return "-"
+        return f"{(row.total_kib - base_kib) * 1024 / row.queued:.0f}"
+
+    def growth(i: int) -> str:
+        prev, row = (rows[i - 1] if i else None), rows[i]
+        if prev is None or not (prev.total_kib and row.total_kib):
+            return "-"
+        return f"{(row.total_kib - prev.total_kib) * 1024 / (row.queued - prev.queued):.0f}"
+
+    lines = [
+        ("spool filled in, s", lambda r, i: f"{r.fill_s:.1f}"),
+        ("start -> accepting (first 250), first start, s", lambda r, i: secs(r.first_s)),
+        ("start -> accepting, restart, s", lambda r, i: secs(r.restart_s)),
+        ("start -> accepting, delivery on, s", lambda r, i: secs(r.accepting_s)),
+        ("start -> first delivery (local sink), s", lambda r, i: secs(r.first_delivery_s)),
+        ("RSS daemon, MiB (restart, settled)", lambda r, i: mib(r.daemon_kib)),
+        ("RSS writer, MiB", lambda r, i: mib(r.writer_kib)),
+        ("RSS daemon + writer, MiB", lambda r, i: mib(r.total_kib)),
+        ("peak daemon + writer over the starts, MiB", lambda r, i: mib(r.peak_kib)),
+        ("bytes per queued message (over the empty spool)", lambda r, i: per_message(r)),
+        ("growth per message from the previous size, bytes", lambda r, i: growth(i)),
+        ("failed", lambda r, i: r.failed or "-"),
+    ]
+    out = ["| | " + " | ".join(f"{r.queued:,}" for r in rows) + " |"]
+    out.append("|---" * (len(rows) + 1) + "|")
+    for title, get in lines:
+        out.append(f"| {title} | " + " | ".join(get(r, i) for i, r in enumerate(rows)) + " |")
+    return "\n".join(out)
 
 
 def main() -> None:
     parser = load_parser(__doc__)
-    parser.add_argument("--queued", type=int, default=100_000)
+    parser.add_argument(
+        "--queued", type=int, nargs="+", default=[100_000], help="queue sizes, in order"
+    )
+    parser.add_argument(
+        "--rss-limit-mb",
+        type=int,
+        default=8000,
+        help="kill the daemon when it and its writer pass this resident size (8000)",
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=600, help="seconds a start may take (600)"
+    )
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
     with work_directory("mtaqueue-bench-") as workdir:

@@ -14,7 +14,6 @@ needs about 2 x CLIENTS x SIZE bytes of free disk.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 from pathlib import Path
@@ -22,32 +21,12 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accept_bench import Mtaqueue
-from common import work_directory
+from common import tree_pids, work_directory
 from postfix_instance import PostfixInstance, postfix_available, smtp_source
 
 POSTFIX_ADDR = "127.0.0.1:2635"
 MTAQUEUE_PORT = 2636
 MiB = 1 << 20
-
-
-def tree_pids(root: int) -> list[int]:
-    """`root` and all its descendants."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rpartition(")")[2].split()[1])  # after "(comm)", which may hold spaces
-        children.setdefault(ppid, []).append(int(entry))
-    pids, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        pids.append(pid)
-        todo += children.get(pid, [])
-    return pids
 
 
 def tree_memory_kib(root: int) -> tuple[int, int]:
