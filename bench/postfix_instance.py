@@ -15,6 +15,12 @@ Modes:
 - ``hold``: accept durably straight into the hold queue (``smtpd_data_restrictions =
   check_client_access static:HOLD``), so the queue manager does no work at all: accept alone
   with nothing behind it. ``defer`` still costs qmgr, error and defer-log work per message.
+- ``receive``: Postfix as the *provider*: accepts mail for ``domains`` only (relay domains
+  whose transport is ``discard:``, so an accepted message is logged and dropped), asks an
+  optional ``policy`` service (``check_policy_service``, e.g. postgrey: :class:`Postgrey`)
+  at RCPT, and applies its anvil limits to loopback clients too
+  (``smtpd_client_event_limit_exceptions`` empty; the limits themselves go in ``main_cf``).
+  :func:`received` reads what it accepted and refused from the maillog.
 
     with PostfixInstance("/tmp/pfx", listen="127.0.0.1:2625", mode="defer") as pf:
         secs = smtp_source("127.0.0.1:2625", sessions=20, messages=10000, size=2048)
@@ -65,7 +71,8 @@ POSTQUEUE = "/usr/sbin/postqueue"
 SMTP_SOURCE = "/usr/sbin/smtp-source"
 SMTP_SINK = "/usr/sbin/smtp-sink"
 
-MODES = ("defer", "relay", "hold")
+MODES = ("defer", "relay", "hold", "receive")
+POSTGREY = "/usr/sbin/postgrey"
 MARKER = ".postfix_instance"  # in workdir: its conf/, queue/, data/ are ours to delete
 # Queues that hold messages (not the per-message log directories defer/, bounce/, trace/).
 _MESSAGE_QUEUES = ("maildrop", "incoming", "active", "deferred", "hold")
@@ -244,6 +251,8 @@ class PostfixInstance:
         mode: str = "defer",
         relay: str | None = None,
         *,
+        domains: tuple[str, ...] = (),
+        policy: str | None = None,
         main_cf: Mapping[str, str] | None = None,
         maillog: bool = True,
         cleanup: bool = True,
@@ -265,6 +274,10 @@ class PostfixInstance:
         self._check_mode(mode, relay)
         self.mode = mode
         self.relay = relay
+        self.domains = domains
+        self.policy = policy
+        if policy:
+            parse_loopback(policy)
         # public/ and private/ sockets must fit in sun_path (108 bytes).
         if len(str(self.queue_dir / "private" / "proxywrite")) > 100:
             raise ValueError(f"workdir path too long for Postfix's unix sockets: {self.workdir}")
@@ -401,6 +414,8 @@ class PostfixInstance:
             relayhost, defer = f"[{relay_host}]:{relay_port}", ""
         else:  # an unused port: nothing is ever attempted, defer_transports stops it first
             relayhost, defer = f"[127.0.0.1]:{_unused_port()}", "smtp"
+        if self.mode == "receive":  # nothing is sent on: a port nobody listens on
+            relayhost, defer = f"[127.0.0.1]:{_unused_port()}", ""
         hold = "check_client_access static:HOLD" if self.mode == "hold" else ""
         logfile = str(self.maillog) if self._maillog_enabled else "/dev/null"
         params = {
@@ -437,6 +452,16 @@ class PostfixInstance:
             "smtp_tls_security_level": "none",
             "smtpd_tls_security_level": "none",
         }
+        if self.mode == "receive":
+            policy = f"check_policy_service inet:{self.policy}" if self.policy else ""
+            params |= {
+                "relay_domains": ", ".join(self.domains),
+                "relay_transport": "discard:",
+                "default_transport": "discard:",
+                "smtpd_relay_restrictions": "reject_unauth_destination",
+                "smtpd_recipient_restrictions": policy,
+                "smtpd_client_event_limit_exceptions": "",  # anvil limits apply to loopback
+            }
         params.update(self._extra)
         return params
 
@@ -595,6 +620,102 @@ class SmtpSink:
         if self._out is not None:
             self._out.unlink(missing_ok=True)
             self._out = None
+
+
+class Postgrey:
+    """postgrey (Debian's package) as a policy service on a loopback port, its database in
+    its own directory, run in the foreground as a child process as the ``postgrey`` user.
+
+    ``auto_whitelist`` is its ``--auto-whitelist-clients`` (0: off, so every new triplet is
+    greylisted once, whoever sends it; postgrey's default is 5)."""
+
+    def __init__(
+        self, listen: str, dbdir: str | os.PathLike[str], delay: int = 300, auto_whitelist: int = 0
+    ) -> None:
+        self.listen = listen
+        self.host, self.port = parse_loopback(listen)
+        self.dbdir = Path(dbdir)
+        self.delay, self.auto_whitelist = delay, auto_whitelist
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> Self:
+        if not _port_free(self.host, self.port):
+            raise RuntimeError(f"{self.listen} is already in use")
+        self.dbdir.mkdir(parents=True, exist_ok=True)
+        pw = pwd.getpwnam("postgrey")
+        os.chown(self.dbdir, pw.pw_uid, pw.pw_gid)
+        self._proc = subprocess.Popen(
+            [
+                POSTGREY, f"--inet={self.host}:{self.port}", f"--dbdir={self.dbdir}",
+                f"--delay={self.delay}", f"--auto-whitelist-clients={self.auto_whitelist}",
+                f"--pidfile={self.dbdir}/postgrey.pid", "--lookup-by-host",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.dbdir / "postgrey.log", "wb"),  # noqa: SIM115 (the child keeps it)
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while _port_free(self.host, self.port):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"postgrey did not start: {_tail(self.dbdir / 'postgrey.log')}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        stop_process(self._proc, 10)
+        self._proc = None
+
+
+_LOG_TIME = re.compile(r"^(\w{3} +\d+ [\d:.]+) ")
+
+
+def _log_time(line: str, year: int) -> float | None:
+    """Epoch seconds of a maillog line ("Dec  1 09:40:01.123456 host ...": postlogd's
+    timestamps carry microseconds)."""
+    m = _LOG_TIME.match(line)
+    if not m:
+        return None
+    stamp = m[1] if "." in m[1] else m[1] + ".0"
+    return time.mktime(time.strptime(f"{year} {stamp.split('.')[0]}", "%Y %b %d %H:%M:%S")) + (
+        float("0." + stamp.split(".")[1])
+    )
+
+
+def received(maillog: Path) -> dict[str, object]:
+    """What a ``receive``-mode instance accepted and refused, from its maillog: the accepted
+    messages as ``[(time, message-id)]`` (cleanup's ``message-id=`` line, written once a
+    message is being queued), and the refusals counted by reply (digits and addresses
+    replaced: ``450 4.7.1 Error: too much mail from N.N.N.N``) and by command."""
+    year = time.localtime().tm_year
+    accepted: list[tuple[float, str]] = []
+    refusals: dict[str, int] = {}
+    by_command: dict[str, int] = {}
+    for line in maillog.read_text(errors="replace").splitlines():
+        if "/cleanup[" in line and " message-id=" in line:
+            t = _log_time(line, year)
+            if t is not None:
+                accepted.append((t, line.rsplit(" message-id=", 1)[1].strip()))
+        elif "NOQUEUE: reject: " in line or ": reject: " in line:
+            m = re.search(r"reject: (\w+) from \S+: (\d{3} [\d.]+ .*?)(?:; from=|$)", line)
+            if m:
+                by_command[m[1]] = by_command.get(m[1], 0) + 1
+                text = re.sub(r"<[^>]*>", "<...>", m[2])
+                text = re.sub(r"\d+\.\d+\.\d+\.\d+", "N.N.N.N", text)
+                text = re.sub(r"https?://\S+", "URL", text)
+                refusals[text] = refusals.get(text, 0) + 1
+        elif "warning: " in line and " limit exceeded: " in line:
+            m = re.search(r"warning: (.* limit exceeded): ", line)
+            if m:
+                key = f"(anvil) {m[1]}"
+                refusals[key] = refusals.get(key, 0) + 1
+    return {"accepted": accepted, "refusals": refusals, "by_command": by_command}
 
 
 def smtp_source(

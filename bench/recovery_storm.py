@@ -108,8 +108,8 @@ class Scenario:
     rate_count: int
     rate_period: float  # unscaled seconds
     peer_connections: int
-    slow_banner_at: int
-    blocklist_after: int
+    slow_banner_at: int | None
+    blocklist_after: int | None  # connections or MAILs after a 421
     blocklist_for: float
     blocklist_window: float
     outage: float  # unscaled seconds
@@ -117,6 +117,7 @@ class Scenario:
     admin_connections: int
     sessions: int
     size: int
+    blocklist_throttles: int | None = None  # 421s within the window
 
     @property
     def g(self) -> float:  # greylist window, real seconds
@@ -137,6 +138,8 @@ class Scenario:
     @property
     def t_min(self) -> float:
         n, b, r = self.messages, self.burst, self.r
+        if not self.g:  # one MAIL a message
+            return max(0, n - b) / r
         return max(max(0, 2 * n - b) / r, max(0, n - b) / r + self.g)
 
     def d(self, seconds: float) -> str:
@@ -144,12 +147,16 @@ class Scenario:
         return f"{seconds * self.scale:.6g}s"
 
     def peer_args(self) -> list[str]:
+        optional = {
+            "--slow-banner-at": self.slow_banner_at,
+            "--blocklist-after": self.blocklist_after,
+            "--blocklist-throttles": self.blocklist_throttles,
+        }
         return [
             "--greylist", str(self.greylist),
             "--rate", f"{self.rate_count}/{self.rate_period:g}s",
             "--max-connections", str(self.peer_connections),
-            "--slow-banner-at", str(self.slow_banner_at),
-            "--blocklist-after", str(self.blocklist_after),
+            *(arg for k, v in optional.items() if v is not None for arg in (k, str(v))),
             "--blocklist-for", str(self.blocklist_for),
             "--blocklist-window", str(self.blocklist_window),
             "--time-scale", str(self.scale),
@@ -399,10 +406,17 @@ def _tables(v: Any) -> bool:
 
 
 def mtaqueue_config(
-    s: Scenario, spool: Path, peer_port: int, sink_port: int, dns_address: str, naive: bool
+    s: Scenario,
+    spool: Path,
+    peer_port: int,
+    sink_port: int,
+    dns_address: str,
+    naive: bool,
+    admin: bool = True,
 ) -> dict[str, Any]:
     """The shipped defaults with every policy duration scaled; plus, for the shaped run, the
-    provider's pacing as an admin would set it; for the naive run, shaping neutralised."""
+    provider's pacing as an admin would set it (unless not `admin`: the shipped config as it
+    is, nothing said about the provider); for the naive run, shaping neutralised."""
     d = s.d
     cfg: dict[str, Any] = {
         "listen": {"address": f"127.0.0.1:{MTAQUEUE_PORT}", "hostname": "mtaqueue.bench.test"},
@@ -448,6 +462,8 @@ def mtaqueue_config(
             "p2": {"lifetime": d(2 * 86400)},
         },
     }
+    if not admin:
+        del cfg["shaping"]["destinations"]
     if naive:
         cfg["delivery"].update({"host_suspend": "0s", "host_suspend_max": "0s"})
         cfg["retry"].update(
@@ -560,11 +576,18 @@ def run_mtaqueue(
     timeout: float,
     tag: str,
     overrides: tuple[str, ...] | list[str] = (),
+    admin: bool = True,
 ) -> Run:
     from dns_server import DnsServer
 
-    name = "naive" if naive else "mtaqueue"
-    label = "mtaqueue, shaping off (naive)" if naive else "mtaqueue (shaped)"
+    name = "naive" if naive else "mtaqueue" if admin else "shipped"
+    label = (
+        "mtaqueue, shaping off (naive)"
+        if naive
+        else "mtaqueue (shaped)"
+        if admin
+        else "mtaqueue (shipped config)"
+    )
     run = Run(name, label, plan(s.messages, tag))
     workdir = workdir / name
     workdir.mkdir()
@@ -578,7 +601,7 @@ def run_mtaqueue(
                 dns.add(domain, "MX", f"10 mx{i + 1}.provider.test")
         for i, ip in enumerate(PROVIDER_IPS):
             dns.add(f"mx{i + 1}.provider.test", "A", ip)
-        cfg = mtaqueue_config(s, workdir / "spool", peer.port, sink.port, dns.address, naive)
+        cfg = mtaqueue_config(s, workdir / "spool", peer.port, sink.port, dns.address, naive, admin)
         cfg["delivery"]["enabled"] = False
         daemon = Daemon(workdir, "outage", cfg)
         daemon.start()
