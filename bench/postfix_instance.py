@@ -692,11 +692,13 @@ def received(maillog: Path) -> dict[str, object]:
     """What a ``receive``-mode instance accepted and refused, from its maillog: the accepted
     messages as ``[(time, message-id)]`` (cleanup's ``message-id=`` line, written once a
     message is being queued), and the refusals counted by reply (digits and addresses
-    replaced: ``450 4.7.1 Error: too much mail from N.N.N.N``) and by command."""
+    replaced: ``450 4.7.1 Error: too much mail from N.N.N.N``) and by command, and the
+    greylisting refusals by recipient."""
     year = time.localtime().tm_year
     accepted: list[tuple[float, str]] = []
     refusals: dict[str, int] = {}
     by_command: dict[str, int] = {}
+    greylisted: dict[str, int] = {}  # recipient -> greylisting refusals
     for line in maillog.read_text(errors="replace").splitlines():
         if "/cleanup[" in line and " message-id=" in line:
             t = _log_time(line, year)
@@ -706,6 +708,10 @@ def received(maillog: Path) -> dict[str, object]:
             m = re.search(r"reject: (\w+) from \S+: (\d{3} [\d.]+ .*?)(?:; from=|$)", line)
             if m:
                 by_command[m[1]] = by_command.get(m[1], 0) + 1
+                if "Greylisted" in m[2]:
+                    rcpt = re.search(r"<([^>]*)>", m[2])
+                    key = rcpt[1].lower() if rcpt else ""
+                    greylisted[key] = greylisted.get(key, 0) + 1
                 text = re.sub(r"<[^>]*>", "<...>", m[2])
                 text = re.sub(r"\d+\.\d+\.\d+\.\d+", "N.N.N.N", text)
                 text = re.sub(r"https?://\S+", "URL", text)
@@ -715,7 +721,12 @@ def received(maillog: Path) -> dict[str, object]:
             if m:
                 key = f"(anvil) {m[1]}"
                 refusals[key] = refusals.get(key, 0) + 1
-    return {"accepted": accepted, "refusals": refusals, "by_command": by_command}
+    return {
+        "accepted": accepted,
+        "refusals": refusals,
+        "by_command": by_command,
+        "greylisted": greylisted,
+    }
 
 
 def smtp_source(

@@ -96,6 +96,7 @@ class Receiver:
             domains=DOMAINS,
             policy=POSTGREY,
             main_cf=main_cf,
+            cleanup=not args.keep,
         )
 
     def __enter__(self) -> Receiver:
@@ -188,7 +189,10 @@ def run_postfix(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
     workdir.mkdir()
     workdir.chmod(0o755)
     sink = SyntheticPeer([f"{SINK_IP}:0"]).start()
-    d = s.d
+
+    def d(seconds: float) -> str:  # Postfix's time values are whole numbers
+        return f"{max(1, round(seconds * s.scale))}s"
+
     main_cf = {
         "minimal_backoff_time": d(300),
         "maximal_backoff_time": d(4000),
@@ -199,7 +203,11 @@ def run_postfix(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
         "smtp_helo_name": "postfix.bench.test",
     }
     pf = PostfixInstance(
-        workdir / "sender", listen=f"127.0.0.1:{POSTFIX_PORT}", mode="defer", main_cf=main_cf
+        workdir / "sender",
+        listen=f"127.0.0.1:{POSTFIX_PORT}",
+        mode="defer",
+        main_cf=main_cf,
+        cleanup=not args.keep,
     )
     with Receiver(workdir, args) as receiver:
         try:
@@ -261,7 +269,7 @@ def figures(run: Run, log: dict, args) -> dict[str, Any]:
         "too_many_connections": refused("Connection concurrency limit"),
         "too_many_errors": refused("too many errors"),
         "greylisted": greylisted,
-        "greylisted_again": greylisted - len(run.planned),
+        "greylisted_again": sum(n - 1 for n in log["greylisted"].values()),
         "refused_mail_per_delivered": refused("Message delivery request rate limit") / len(first)
         if first
         else None,
@@ -305,7 +313,7 @@ def main() -> int:
     add("--connections", type=int, default=3, help="smtpd_client_connection_count_limit")
     add("--rate", type=int, default=60, help="messages (and recipients) per --rate-unit")
     add("--rate-unit", type=int, default=10, help="anvil_rate_time_unit, s (10)")
-    add("--timeout", type=float, help="drain timeout per run, s (default 6 x T_min + 60)")
+    add("--timeout", type=float, help="drain timeout per run, s (default 4 x T_min + 60)")
     add("--skip-mtaqueue", action="store_true")
     add("--skip-postfix", action="store_true")
     add("--mq-option", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -314,7 +322,7 @@ def main() -> int:
     if not postfix_available():
         print("needs root and Debian's postfix (and postgrey)", file=sys.stderr)
         return 2
-    timeout = args.timeout or 6 * t_min(args) + 60
+    timeout = args.timeout or 4 * t_min(args) + 60
     load = os.getloadavg()
     print(
         f"{args.messages} messages; provider: Postfix, postgrey {args.greylist} s, "

@@ -190,7 +190,7 @@ def main() -> int:
     add("--time-scale", type=float, default=0.01)
     add("--sessions", type=int, default=20)
     add("--size", type=int, default=2048)
-    add("--timeout", type=float, help="per-run drain timeout, s (default 4 x T_min + 60)")
+    add("--timeout", type=float, help="per-run drain timeout, s (default 3 x T_min + 30)")
     add("--mq-option", action="append", default=[], metavar="SECTION.KEY=VALUE")
     add("--json", metavar="FILE", help="write the figures as JSON")
     add("--keep", action="store_true", help="keep the work directory (reports, logs)")
@@ -210,7 +210,7 @@ def main() -> int:
             p = PROVIDERS[name]
             n = max(50, min(cap, math.ceil(p.rate * span)))
             s = p.scenario(n, args.time_scale, args.sessions, args.size)
-            timeout = args.timeout or 4 * s.t_min + 60
+            timeout = args.timeout or 3 * s.t_min + 30
             print(f"\n### {describe(p, s)}", flush=True)
             here = workdir / name
             here.mkdir()
