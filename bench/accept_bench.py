@@ -1,16 +1,28 @@
 """Durable accept throughput, side by side with Postfix, plus start-up and memory.
 
     python bench/accept_bench.py [--messages 10000] [--sessions 20] [--size 2048]
-                                 [--rounds 3] [--queued 100000]
+                                 [--rounds 3] [--queued 100000 [300000 ...]]
+                                 [--skip-throughput] [--rss-limit-mb 8000]
 
 1. Throughput: `smtp-source -s SESSIONS -m MESSAGES -l SIZE` against a private
    Postfix instance that accepts durably and defers delivery, and against
    mtaqueue, alternately for ROUNDS rounds (the disk of a shared VM drifts; the
    alternation keeps the comparison fair). Both spools live on the same file
    system. Prints msgs/s per run, the medians and their ratio.
-2. Start-up: a spool holding QUEUED messages (written with the spool's own
-   writer), then the time from starting the daemon to the first 250 reply.
-3. Memory: resident memory of the daemon with QUEUED messages minus an empty one.
+2. Start-up, for each QUEUED size in turn: a spool holding that many 2 KiB messages to 50
+   domains (written with the spool's own writer), then four starts of the daemon: the
+   first (it also merges the filler's journal) and a restart with delivery off, each timed
+   to the first 250 reply ("accepting"); delivery on with everything relayed to a local
+   sink (`delivery.relayhost`), timed to accepting and to the sink's first accepted
+   message (the probe's own recipient is refused there, so that is a queued one); and the
+   shipped config (delivery on, the next hops from DNS), timed to accepting.
+3. Memory: resident memory (VmRSS) of the daemon and of its spool writer once settled
+   after the restart, the peak of the two over all the starts, bytes per queued message
+   over an empty spool's, and the growth per message from the previous size. One table,
+   one column per size. A watchdog kills a daemon whose tree passes `--rss-limit-mb`.
+
+The daemons' DNS is a loopback port that never answers (lookups time out, as with an
+unreachable resolver): nothing is asked outside the machine.
 """
 
 from __future__ import annotations
