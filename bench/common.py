@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -72,3 +73,18 @@ def tree_pids(root: int) -> list[int]:
         pids.append(pid)
         todo += children.get(pid, [])
     return pids
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now. Benchmarks of other work may run on the same
+    machine at the same time: a fixed port could be theirs (and their mail ours)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something already accepts connections on host:port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1)
+        return sock.connect_ex((host, port)) == 0

@@ -6,7 +6,7 @@
 The recovery storm's backlog (recovery_storm.py: 2% p0, 18% p1, 80% p2, each message to its
 own mailbox, queued while delivery is off, then released) sent to a private Postfix 3.7
 instance as the receiving provider (`postfix_instance.py`, `receive` mode on
-127.0.0.1:2655, the MX host of example.org/.net/.com in a DNS server on loopback):
+127.0.0.1 (a free port), the MX host of example.org/.net/.com in a DNS server on loopback):
 
 - postgrey as its `check_policy_service` on a loopback port, `--delay` = `--greylist`
   seconds, its own database directory, client auto-whitelisting off (so each new triplet
@@ -51,7 +51,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "tests"))
 
-from common import work_directory  # noqa: E402
+from common import free_port, work_directory  # noqa: E402
 from postfix_instance import PostfixInstance, Postgrey, postfix_available, received  # noqa: E402
 from recovery_storm import (  # noqa: E402
     DOMAINS,
@@ -73,8 +73,8 @@ from recovery_storm import (  # noqa: E402
 )
 from synthetic_peer import SyntheticPeer  # noqa: E402
 
-RECEIVER = "127.0.0.1:2655"
-POSTGREY = "127.0.0.1:10123"
+RECEIVER = f"127.0.0.1:{free_port()}"
+POSTGREY = f"127.0.0.1:{free_port()}"
 
 
 class Receiver:

@@ -82,7 +82,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "tests"))  # dns_server.DnsServer: a real DNS server on loopback
 
-from common import stop_process, work_directory  # noqa: E402
+from common import free_port, port_in_use, stop_process, work_directory  # noqa: E402
 from postfix_instance import PostfixInstance, postfix_available  # noqa: E402
 from synthetic_peer import SyntheticPeer  # noqa: E402
 
@@ -92,8 +92,8 @@ PROVIDER_IPS = ("127.0.0.2", "127.0.0.3")  # mx1/mx2.provider.test
 SINK_IP = "127.0.0.4"  # app.test: where DSNs and Postfix bounces go
 DOMAINS = ("example.org", "example.net", "example.com")  # all hosted by provider.test
 SENDER = "app@app.test"
-MTAQUEUE_PORT = 2646
-POSTFIX_PORT = 2645
+MTAQUEUE_PORT = free_port()  # not fixed: other benchmarks may run on this machine
+POSTFIX_PORT = free_port()
 SAMPLE = 0.5  # seconds between queue depth samples
 
 
@@ -323,6 +323,8 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60) -> float:
+        if port_in_use("127.0.0.1", self.port):  # its 220 would not be ours
+            raise RuntimeError(f"127.0.0.1:{self.port} is taken by another process")
         started = time.monotonic()
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
