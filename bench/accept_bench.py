@@ -40,6 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The spool filler must be the same code as the daemon it fills for (`python -m` runs the
+# tree's own), not whatever mtaqueue is installed: spool formats change.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import load_parser, stop_process, tree_pids, work_directory
 from postfix_instance import PostfixInstance, postfix_available, smtp_source
 from synthetic_peer import SyntheticPeer
