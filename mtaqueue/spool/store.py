@@ -294,8 +294,9 @@ class Spool:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
-        # A file still being written is a temp file, which the next start-up removes.
-        self._io.shutdown(wait=False, cancel_futures=True)
+        # Pieces still queued are written (or their files removed) by the threads as they
+        # finish; a file left half written is a temp file, which the next start removes.
+        self._io.shutdown(wait=False)
         return not left
 
     def _lock(self) -> None:
