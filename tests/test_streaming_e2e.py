@@ -119,6 +119,19 @@ def test_a_streamed_message_refused_at_the_dot_leaves_nothing(start_daemon):
     assert queue_id(send_raw(daemon, b"Subject: small\r\n\r\nok\r\n"))
 
 
+def test_a_client_that_stalls_or_goes_away_mid_stream_leaves_nothing(start_daemon):
+    daemon = start_daemon(STREAMED, "listen.data_timeout=1s")
+    for stalls in (True, False):
+        sock, reader = open_data(daemon)
+        with sock:
+            sock.sendall(b"Subject: s\r\n\r\n" + (b"s" * 78 + b"\r\n") * 20_000)
+            wait_for(lambda: temp_files(daemon), 10, "the message to be written as it comes")
+            if stalls:
+                assert reader.readline().startswith(b"421 4.4.2 ")  # its deadline
+        wait_for(lambda: not temp_files(daemon), 10, "the temp file to go")
+    assert daemon.messages() == {}
+
+
 def test_kill_9_mid_stream_leaves_no_message_and_no_temp_file(start_daemon):
     daemon = start_daemon(STREAMED)
     sock, _ = open_data(daemon)
