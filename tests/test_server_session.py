@@ -1067,6 +1067,13 @@ def test_lf_only_client_is_dot_unstuffed_like_a_crlf_one():
     assert submit.content == b"Subject: s\r\n\r\nbare\r\n.cr\r\n.lf\r\n.crlf\r\n"
 
 
+def test_a_stuffing_dot_between_a_bare_cr_and_a_bare_lf_keeps_both_line_ends():
+    # "a<CR>.<LF>b" is three lines, the middle one empty once unstuffed. Unstuffing before
+    # the bare newlines were made CRLF turned "<CR>.<LF>" into one CRLF: a line was lost.
+    submit = transaction(ready(), b"Subject: s\r\n\r\na\r.\nb\r\n")
+    assert submit.content == b"Subject: s\r\n\r\na\r\n\r\nb\r\n"
+
+
 def test_nul_is_refused_in_reject_mode_and_kept_in_normalize_mode():
     content = b"Subject: s\r\n\r\nnul\0here\r\n"
     session = ready(bare_newline="reject")
