@@ -168,6 +168,7 @@ class SpoolConfig(_Table):
     path: str = "spool"
     min_free: FreeSpace = FreeSpace(fraction=0.02)
     journal_compact_size: Size = _s("64MiB")
+    stream_threshold: Size = _s("256KiB")  # message data past this is written as it arrives
     shutdown_grace: Duration = _d("30s")
 
 

@@ -397,6 +397,7 @@ def listener_settings(cfg: config.Config, hostname: str) -> ListenerSettings:
             max_recipients=cfg.listen.max_recipients,
             bare_newline=cfg.listen.bare_newline,
             max_line_length=cfg.listen.max_line_length,
+            stream_threshold=cfg.spool.stream_threshold,
             tls_available=bool(cfg.listen.tls_cert),
             auth_available=bool(cfg.listen.auth_file),
             auth_required=cfg.listen.auth_required,

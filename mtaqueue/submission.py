@@ -13,7 +13,7 @@ from datetime import datetime
 from email.utils import formatdate
 
 from .model import Message
-from .smtp.server_session import Submit
+from .smtp.server_session import Stream, Submit
 
 CLASS_HEADER = b"x-mtaqueue-class"
 EXPIRES_HEADER = b"x-mtaqueue-expires"
@@ -51,7 +51,23 @@ def prepare(
 ) -> tuple[Message, bytes]:
     """Return the queue record and the content to store, or raise Refused."""
     header_end = _header_end(submit.content)
-    fields = _fields(submit.content[:header_end])
+    body = submit.content[header_end:]  # from the empty line on
+    message, header = prepare_header(
+        submit, submit.content[:header_end], len(body), received, settings
+    )
+    return message, header + body
+
+
+def prepare_header(
+    submit: Submit | Stream,
+    header: bytes,
+    body_size: int,
+    received: Received,
+    settings: SubmissionSettings,
+) -> tuple[Message, bytes]:
+    """The queue record and the header to store, from the header as received (its lines
+    up to the empty line), for a body of `body_size` octets; or raise Refused."""
+    fields = _fields(header)
     ours: dict[bytes, str] = {}
     kept: list[bytes] = []
     has_message_id = has_date = False
@@ -88,14 +104,14 @@ def prepare(
         added.append(f"Message-ID: <{received.queue_id}@{settings.hostname}>".encode())
     if not has_date:
         added.append(f"Date: {formatdate(received.now, localtime=True)}".encode())
-    content = b"\r\n".join(added + kept) + b"\r\n" + submit.content[header_end:]
+    header = b"\r\n".join(added + kept) + b"\r\n"
 
     message = Message(
         id=received.queue_id,
         sender=envelope.sender,
         recipients=recipients,
         created=received.now,
-        size=len(content),
+        size=len(header) + body_size,
         klass=klass,
         expires=expires,
         idempotency_key=key,
@@ -107,7 +123,7 @@ def prepare(
         client=received.client,
         helo=submit.helo,
     )
-    return message, content
+    return message, header
 
 
 def _header_end(content: bytes) -> int:
@@ -151,7 +167,7 @@ def _expiry(value: str, now: float) -> float:
     return at
 
 
-def _received(submit: Submit, received: Received, hostname: str, rcpt: tuple) -> bytes:
+def _received(submit: Submit | Stream, received: Received, hostname: str, rcpt: tuple) -> bytes:
     # RFC 3848 / RFC 6531 protocol names: ESMTP, ESMTPS, ESMTPSA, UTF8SMTPS, ...
     proto = "UTF8SMTP" if submit.envelope.smtputf8 else "ESMTP" if submit.esmtp else "SMTP"
     proto += ("S" if received.tls else "") + ("A" if submit.user else "")

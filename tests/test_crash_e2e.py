@@ -19,7 +19,7 @@ from e2e_helpers import events, wait_for
 from mtaqueue.ids import IdGenerator
 from mtaqueue.model import Message, Recipient
 from mtaqueue.spool.layout import SpoolLayout
-from mtaqueue.spool.message_file import prelude_and_header, read_message_file
+from mtaqueue.spool.message_file import file_parts, read_message_file
 
 CLIENTS = 8
 ROUNDS = 6
@@ -210,9 +210,7 @@ def test_recovery_rules_for_damaged_spools(start_daemon):
     # append), one that is not a message file at all, and an interrupted temp file.
     unknown = IdGenerator().next(time.time() - 60)
     record = Message(unknown, "app@example.com", (Recipient("b@example.org"),), 1e9, 6, "p1")
-    layout.message_path(unknown).write_bytes(
-        prelude_and_header(record, b"hello\r\n") + b"hello\r\n"
-    )
+    layout.message_path(unknown).write_bytes(b"".join(file_parts(record, b"hello\r\n")))
     bogus = "0" * 6 + kept[6:9] + "0" * 7
     layout.message_path(bogus).write_bytes(b"MTQ1 never acknowledged")
     layout.tmp_path(bogus).write_bytes(b"half")

@@ -6,6 +6,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,8 +14,10 @@ from hypothesis import strategies as st
 from mtaqueue.model import Message, Recipient
 from mtaqueue.spool.message_file import (
     MAGIC,
+    MAGIC_V1,
     CorruptMessageFile,
-    prelude_and_header,
+    MessageFileWriter,
+    file_parts,
     read_content,
     read_message_file,
 )
@@ -34,9 +37,17 @@ CONTENT = b"Subject: hi\r\n\r\n.leading dot, unstuffed\r\n" + bytes(range(256))
 def write(path: Path, message: Message = MESSAGE, content: bytes = CONTENT) -> bytes:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.writev(fd, [prelude_and_header(message, content), content])
+        os.writev(fd, file_parts(message, content))
     finally:
         os.close(fd)
+    return path.read_bytes()
+
+
+def write_v1(path: Path, message: Message = MESSAGE, content: bytes = CONTENT) -> bytes:
+    """The first format, as spools written before streaming hold it."""
+    header = msgspec.msgpack.encode(message)
+    prelude = struct.pack("<4sIII", MAGIC_V1, len(header), zlib.crc32(header), zlib.crc32(content))
+    path.write_bytes(prelude + header + content)
     return path.read_bytes()
 
 
@@ -53,10 +64,44 @@ def test_empty_content(tmp_path):
     assert read_message_file(path) == (MESSAGE, b"")
 
 
+def test_files_of_the_first_format_are_still_read(tmp_path):
+    path = tmp_path / MESSAGE.id
+    write_v1(path)
+    assert read_message_file(path) == (MESSAGE, CONTENT)
+    assert read_content(path) == CONTENT
+    path.write_bytes(write_v1(path)[:-1])
+    with pytest.raises(CorruptMessageFile, match="content checksum"):
+        read_message_file(path)
+
+
+def test_a_file_written_as_its_content_arrives_is_the_same_file(tmp_path):
+    streamed = MessageFileWriter(tmp_path / "streamed.tmp")
+    streamed.write(CONTENT[:10])
+    streamed.write(CONTENT[10:100], CONTENT[100:])
+    assert streamed.length == len(CONTENT)
+    streamed.finish(MESSAGE)
+    assert (tmp_path / "streamed.tmp").read_bytes() == write(tmp_path / MESSAGE.id)
+    assert (tmp_path / "streamed.tmp").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_discarded_file_is_gone_and_takes_no_more_writes(tmp_path):
+    path = tmp_path / "gone.tmp"
+    streamed = MessageFileWriter(path)
+    streamed.write(b"part of a message")
+    streamed.discard()
+    assert not path.exists()
+    with pytest.raises(FileNotFoundError):
+        streamed.write(b"more")
+    assert not path.exists()
+    streamed.discard()  # again: nothing to do
+
+
 def _undecodable_header(data: bytes) -> bytes:
     header = b"\x93\x01\x02\x03"  # a msgpack array, but not a Message
-    prelude = struct.pack("<4sIII", MAGIC, len(header), zlib.crc32(header), zlib.crc32(CONTENT))
-    return prelude + header + CONTENT
+    prelude = struct.pack(
+        "<4sQIII", MAGIC, len(CONTENT), len(header), zlib.crc32(CONTENT), zlib.crc32(header)
+    )
+    return prelude + CONTENT + header
 
 
 def _flip(at: int):
@@ -66,16 +111,15 @@ def _flip(at: int):
 CORRUPTIONS = {
     "empty file": (lambda data: b"", "short file"),
     "short prelude": (lambda data: data[:10], "short file"),
-    "bad magic": (lambda data: b"MTQ2" + data[4:], "bad magic"),
-    "header length past the end": (
-        lambda data: data[:4] + struct.pack("<I", 1 << 31) + data[8:],
-        "header length",
+    "bad magic": (lambda data: b"MTQ3" + data[4:], "bad magic"),
+    "content length past the end": (
+        lambda data: data[:4] + struct.pack("<Q", 1 << 40) + data[12:],
+        "do not add up",
     ),
-    "truncated header": (lambda data: data[:20], "header length"),
-    "header byte flipped": (_flip(20), "header checksum"),
-    "content truncated": (lambda data: data[:-1], "content checksum"),
-    "content extended": (lambda data: data + b"\0", "content checksum"),
-    "content byte flipped": (_flip(-5), "content checksum"),
+    "truncated header": (lambda data: data[:-1], "do not add up"),
+    "file extended": (lambda data: data + b"\0", "do not add up"),
+    "header byte flipped": (_flip(-5), "header checksum"),
+    "content byte flipped": (_flip(30), "content checksum"),
     "undecodable header": (_undecodable_header, "undecodable header"),
 }
 

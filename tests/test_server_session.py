@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import base64
 import re
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mtaqueue.smtp import server_session
+from mtaqueue.smtp.content import has_line_over
 from mtaqueue.smtp.server_session import (
     MAX_COMMAND_LINE,
     MAX_ERRORS,
+    STREAM_PIECE,
     CheckCredentials,
+    Finish,
     ServerSession,
     SessionSettings,
     StartTLS,
+    Stream,
     Submit,
-    _has_line_over,
+    Write,
 )
 
 HOST = "mx.test"
@@ -911,7 +917,7 @@ def test_lines_over_998_characters_are_accepted_up_to_max_line_length():
 )
 def test_has_line_over_is_the_longest_line_test(lines, limit):
     content = b"".join(b"x" * n + b"\r\n" for n in lines)
-    assert _has_line_over(content, limit) == (max(lines, default=0) > limit)
+    assert has_line_over(content, limit) == (max(lines, default=0) > limit)
 
 
 def test_storage_not_ok_refuses_mail():
@@ -1061,6 +1067,13 @@ def test_lf_only_client_is_dot_unstuffed_like_a_crlf_one():
     assert submit.content == b"Subject: s\r\n\r\nbare\r\n.cr\r\n.lf\r\n.crlf\r\n"
 
 
+def test_a_stuffing_dot_between_a_bare_cr_and_a_bare_lf_keeps_both_line_ends():
+    # "a<CR>.<LF>b" is three lines, the middle one empty once unstuffed. Unstuffing before
+    # the bare newlines were made CRLF turned "<CR>.<LF>" into one CRLF: a line was lost.
+    submit = transaction(ready(), b"Subject: s\r\n\r\na\r.\nb\r\n")
+    assert submit.content == b"Subject: s\r\n\r\na\r\n\r\nb\r\n"
+
+
 def test_nul_is_refused_in_reject_mode_and_kept_in_normalize_mode():
     content = b"Subject: s\r\n\r\nnul\0here\r\n"
     session = ready(bare_newline="reject")
@@ -1089,6 +1102,216 @@ def test_smuggling_is_refused_in_reject_mode(fake_end):
     assert session.envelope is None
     # The session still works, and a clean message goes through.
     assert transaction(session, b"clean\r\n").content == b"clean\r\n"
+
+
+# -- streaming: large messages handed on in pieces ----------------------------------------
+
+
+def drive_streamed(session: ServerSession, chunks, reply: str = QUEUED, io_reply=None):
+    """Feed chunks, storing streamed messages as the listener does (`io_reply`: what it
+    answers a Stream, e.g. a refusal); return ([(envelope, content) stored], all output,
+    the largest piece handed on)."""
+    stored, out, largest = [], bytearray(), 0
+    current = None
+    for chunk in chunks:
+        action = session.receive(chunk)
+        out += session.take_output()
+        while action is not None:
+            outcome = None
+            if isinstance(action, Submit):
+                stored.append((action.envelope, action.content))
+                outcome = reply
+            elif isinstance(action, Stream):
+                assert current is None
+                current = (action.envelope, bytearray(action.header + action.data))
+                largest = max(largest, len(action.data))
+                outcome = io_reply
+                if io_reply is not None:
+                    current = None  # the listener drops what it began to store
+            elif isinstance(action, Write):
+                assert current is not None
+                current[1].extend(action.data)
+                largest = max(largest, len(action.data))
+            else:
+                assert isinstance(action, Finish) and current is not None
+                if action.refusal is None:
+                    stored.append((current[0], bytes(current[1] + action.data)))
+                outcome = action.refusal or reply
+                current = None
+            action = session.resume(outcome)
+            out += session.take_output()
+    assert current is None or session.busy  # nothing half stored once the message is over
+    return stored, bytes(out), largest
+
+
+def big_content(size: int) -> bytes:
+    """CRLF content of about `size` octets with dots to unstuff and 8-bit octets."""
+    line = b".dotted line \xe2\x82\xac " + b"x" * 50 + b"\r\n"
+    return b"Subject: big\r\nFrom: a@sender.example\r\n\r\n" + line * (size // len(line))
+
+
+def test_a_large_message_is_handed_on_in_pieces_and_not_kept():
+    content = big_content(8 << 20)
+    session = ready(max_message_size=16 << 20, stream_threshold=64 << 10)
+    send(session, ENVELOPE)
+    wire = dot_stuff(content) + b".\r\n"
+    read = 64 << 10  # what one read brings
+    stored, out = bytearray(), bytearray()
+    held = 0
+    actions = []
+    for at in range(0, len(wire), read):
+        action = session.receive(wire[at : at + read])
+        while action is not None:
+            actions.append(type(action))
+            if isinstance(action, Stream):
+                assert action.header == b"Subject: big\r\nFrom: a@sender.example\r\n"
+                stored += action.header + action.data
+            elif isinstance(action, Write | Finish):
+                stored += action.data
+            held = max(held, len(session._data) + session.buffered)
+            action = session.resume(QUEUED if isinstance(action, Finish) else None)
+        held = max(held, len(session._data) + session.buffered)
+        out += session.take_output()
+    assert bytes(stored) == content
+    assert actions[0] is Stream and actions[-1] is Finish and Submit not in actions
+    assert set(actions[1:-1]) == {Write} and len(actions) > 8 << 20 // (2 * STREAM_PIECE)
+    assert held <= STREAM_PIECE + read  # a piece and a read, never the message
+    assert out == QUEUED.encode() + b"\r\n"
+    assert not session.busy and session.envelope is None
+
+
+def test_the_header_is_held_until_it_ends():
+    header = b"Subject: s\r\nTo: " + b"a@rcpt.example, " * 2000 + b"\r\n"
+    content = header + b"\r\n" + b"body\r\n" * 10_000
+    session = ready(stream_threshold=1000)
+    send(session, ENVELOPE)
+    actions = [session.receive(content[:20_000])]  # past the threshold, inside the header
+    assert actions == [None]
+    action = session.receive(content[20_000:40_000])
+    assert isinstance(action, Stream)
+    assert action.header == header and action.data.startswith(b"\r\nbody\r\n")
+
+
+def test_a_header_that_does_not_end_within_its_limit_is_refused_and_nothing_stored():
+    session = ready(stream_threshold=100, max_header_size=1000)
+    never_ends = b"X-Long: " + b"y" * 5000 + b"\r\n"
+    stored, out, _ = drive_streamed(session, [ENVELOPE, never_ends, b".\r\nNOOP\r\n"])
+    assert stored == []
+    assert out.decode().split("\r\n")[-3:-1] == [
+        "552 5.6.0 Error: message header over 1000 octets (no empty line ends it)",
+        "250 2.0.0 Ok",
+    ]
+    # The same message, held whole, gets the same answer.
+    session = ready(max_header_size=1000)
+    assert drive_streamed(session, [ENVELOPE + never_ends + b".\r\nNOOP\r\n"])[1] == out
+
+
+def test_what_cannot_be_stored_is_read_to_the_end_and_answered_with_the_io_reply():
+    refusal = "554 5.6.0 Unknown class 'x' in X-Mtaqueue-Class (known: p0, p1, p2)"
+    session = ready(stream_threshold=100)
+    wire = ENVELOPE + dot_stuff(big_content(50_000)) + b".\r\nNOOP\r\n"
+    chunks = [wire[i : i + 1000] for i in range(0, len(wire), 1000)]
+    stored, out, _ = drive_streamed(session, chunks, io_reply=refusal)
+    assert stored == []
+    assert out.decode().split("\r\n")[-3:-1] == [refusal, "250 2.0.0 Ok"]
+    assert transaction(session, b"next\r\n").content == b"next\r\n"
+
+
+def test_a_streamed_message_over_the_size_limit_is_refused_at_the_dot():
+    session = ready(max_message_size=50_000, stream_threshold=1000)
+    wire = ENVELOPE + dot_stuff(big_content(60_000)) + b".\r\nNOOP\r\n"
+    actions = []
+    for at in range(0, len(wire), 4096):
+        action = session.receive(wire[at : at + 4096])
+        while action is not None:
+            actions.append(action)
+            action = session.resume(
+                "552 5.3.4 Error: message too big for system"
+                if isinstance(action, Finish)
+                else None
+            )
+    assert isinstance(actions[0], Stream) and isinstance(actions[-1], Finish)
+    assert actions[-1].refusal == "552 5.3.4 Error: message too big for system"  # drop it
+    assert sum(len(a.data) for a in actions if isinstance(a, Write)) <= 50_000
+    assert lines(session)[-2:] == ["552 5.3.4 Error: message too big for system", "250 2.0.0 Ok"]
+
+
+@pytest.mark.parametrize("threshold", [0, 10, 40])
+def test_streamed_at_every_split_point_the_content_is_the_same(threshold):
+    # The final dot, a "\r\n." to unstuff, a CRLF or a header end: split anywhere.
+    content = b"Subject: split\r\n\r\n.leading dot\r\nline\r\n\r\n.\r\n..\r\nend\r\n"
+    wire = b"EHLO c\r\n" + ENVELOPE + dot_stuff(content) + b".\r\nNOOP\r\nQUIT\r\n"
+    with mock.patch.object(server_session, "STREAM_PIECE", 3):
+        for cut in range(len(wire) + 1):
+            stored, out, _ = drive_streamed(
+                make(stream_threshold=threshold), [wire[:cut], wire[cut:]]
+            )
+            assert [c for _, c in stored] == [content], cut
+            assert out.endswith(QUEUED.encode() + b"\r\n250 2.0.0 Ok\r\n221 2.0.0 Bye\r\n"), cut
+        stored, _, _ = drive_streamed(make(stream_threshold=threshold), list(map(bytes, zip(wire))))
+        assert [c for _, c in stored] == [content]
+
+
+_STREAM_TOKENS = st.sampled_from(
+    [
+        b"\r\n",
+        b"\r",
+        b"\n",
+        b".",
+        b"..",
+        b"\r\n.",
+        b"\n.",
+        b"\r.",
+        b"\r\n\r\n",
+        b"\n\n",
+        b"Subject: s",
+        b"X-Mtaqueue-Class: p0",
+        b"text of a line",
+        b"x" * 30,
+        b"\xff",
+        b"\0",
+        b"\r\n.\r\n" + ENVELOPE,  # the end of one message, the next one
+        b"\r\n.\r\nNOOP\r\n" + ENVELOPE,
+    ]
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    head=st.lists(_STREAM_TOKENS, max_size=12),
+    end_of_header=st.sampled_from([b"\r\n\r\n", b"\n\n", b"\n\r\n", b"\r\n", b""]),
+    tokens=st.lists(_STREAM_TOKENS, max_size=50),
+    cuts=st.lists(st.integers(0, 1500), max_size=25),
+    read=st.integers(1, 64),
+    threshold=st.integers(0, 80),
+    piece=st.integers(1, 40),
+    window=st.integers(1, 200),
+    max_size=st.integers(1, 2000),
+    max_line=st.integers(1, 200),
+    reject=st.booleans(),
+)
+def test_streamed_or_held_any_split_gives_the_same_content_and_replies(
+    head, end_of_header, tokens, cuts, read, threshold, piece, window, max_size, max_line, reject
+):
+    data = b"".join(head) + end_of_header + b"".join(tokens)
+    wire = b"EHLO c\r\n" + ENVELOPE + data + b"\r\n.\r\nQUIT\r\n"
+    points = sorted({min(c, len(wire)) for c in cuts})
+    chunks = [  # cut anywhere, then into reads of at most `read` octets
+        part[at : at + read]
+        for part in (wire[a:b] for a, b in zip([0, *points], [*points, len(wire)], strict=True))
+        for at in range(0, len(part), read)
+    ]
+    options = {
+        "max_message_size": max_size,
+        "max_line_length": max_line,
+        "max_header_size": window,
+        "bare_newline": "reject" if reject else "normalize",
+    }
+    held, held_out, _ = drive_streamed(make(**options), [wire])
+    with mock.patch.object(server_session, "STREAM_PIECE", piece):
+        streamed, out, _ = drive_streamed(make(stream_threshold=threshold, **options), chunks)
+    assert out == held_out
+    assert streamed == held
 
 
 # -- STARTTLS and AUTH -----------------------------------------------------------------------

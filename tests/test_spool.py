@@ -133,3 +133,64 @@ def test_spool_directories_are_private(tmp_path):
             assert (root / "journal").stat().st_mode & 0o777 == 0o700
         else:
             assert {p.stat().st_mode & 0o777 for p in dirs} == {0o700}
+
+
+def tmp_files(root) -> list:
+    return list(SpoolLayout(root).messages.glob("*/*/*.tmp"))
+
+
+def test_an_incoming_message_is_written_as_it_comes_and_committed_like_an_accept(tmp_path):
+    pieces = [b"Subject: big\r\n\r\n", b"x" * 100_000 + b"\r\n", b"y" * 50_000 + b"\r\n"]
+
+    async def main() -> tuple[str, str]:
+        spool = await started(tmp_path)
+        incoming = spool.incoming(message(spool, idempotency_key="k1"))
+        for piece in pieces[:-1]:
+            await asyncio.wait_for(incoming.write(piece), 10)
+        assert tmp_files(tmp_path)  # written as it came
+        queue_id = await asyncio.wait_for(incoming.commit(pieces[-1]), 10)
+        assert queue_id == incoming.message.id and spool.messages[queue_id].size == 150_020
+        assert spool.content(queue_id) == b"".join(pieces)
+        # The same idempotency key again: answered with the first id, its file dropped.
+        again = spool.incoming(message(spool, idempotency_key="k1"))
+        await asyncio.wait_for(again.write(b"again\r\n"), 10)
+        assert await asyncio.wait_for(again.commit(b""), 10) == queue_id
+        # One given up (the client went away): nothing of it stays.
+        dropped = spool.incoming(message(spool))
+        await asyncio.wait_for(dropped.write(b"half a message"), 10)
+        dropped.discard()
+        for _ in range(100):
+            if not tmp_files(tmp_path):
+                break
+            await asyncio.sleep(0.02)
+        assert await spool.close(5) is True
+        return queue_id, again.message.id
+
+    queue_id, duplicate = asyncio.run(main())
+    assert queued_after_restart(tmp_path) == {queue_id}
+    assert not SpoolLayout(tmp_path).message_path(duplicate).exists()
+    assert tmp_files(tmp_path) == []
+
+
+def test_an_incoming_message_in_flight_when_the_writer_dies_is_committed_by_the_next(tmp_path):
+    async def main() -> str:
+        spool = await started(tmp_path)
+        first = spool._process.pid
+        os.kill(first, signal.SIGSTOP)  # the Place waits in flight
+        incoming = spool.incoming(message(spool))
+        await asyncio.wait_for(incoming.write(b"Subject: s\r\n\r\n"), 10)
+        committed = incoming.commit(b"body\r\n")
+        while spool._inflight is None:
+            await asyncio.sleep(0.01)
+        os.kill(first, signal.SIGKILL)
+        # Its file is whole, but not in place: the new writer places it (an accept
+        # would have become an adopt, and "not on disk", 451).
+        queue_id = await asyncio.wait_for(committed, 30)
+        assert spool._process.pid != first
+        assert spool.content(queue_id) == b"Subject: s\r\n\r\nbody\r\n"
+        assert await spool.close(5) is True
+        return queue_id
+
+    queue_id = asyncio.run(main())
+    assert queued_after_restart(tmp_path) == {queue_id}
+    assert tmp_files(tmp_path) == []

@@ -17,6 +17,7 @@ import pytest
 from mtaqueue.model import Message, Recipient
 from mtaqueue.spool import journal
 from mtaqueue.spool.layout import SpoolLayout
+from mtaqueue.spool.message_file import MessageFileWriter, read_message_file
 from mtaqueue.spool.records import Delete
 from mtaqueue.spool.sweep import sweep
 from mtaqueue.spool.writer import (
@@ -26,6 +27,7 @@ from mtaqueue.spool.writer import (
     Adopt,
     Batch,
     BatchResult,
+    Place,
     Remove,
     SpoolWriter,
     frame,
@@ -82,6 +84,13 @@ def ask(sock: socket.socket, *ops) -> list[str]:
     return msgspec.msgpack.decode(receive(sock), type=BatchResult).outcomes
 
 
+def streamed(layout: SpoolLayout, record: Message, content: bytes) -> None:
+    """What the daemon does with a message too large to hold: its temp file, whole."""
+    incoming = MessageFileWriter(layout.tmp_path(record.id))
+    incoming.write(content)
+    incoming.finish(record)
+
+
 def test_a_fault_inside_the_writer_fails_its_batch_not_the_writer(layout, monkeypatch):
     spool_writer = writer(layout)
     ours, theirs = socket.socketpair()
@@ -94,10 +103,14 @@ def test_a_fault_inside_the_writer_fails_its_batch_not_the_writer(layout, monkey
         raise RuntimeError("injected bug")
 
     monkeypatch.setattr(os, "fdatasync", fail_once)
-    failed, later = message(), message()
-    outcomes = ask(ours, Accept(failed, b"failed\r\n"))
+    failed, failed_placed, later = message(), message(), message()
+    streamed(layout, failed_placed, b"placed\r\n")
+    outcomes = ask(ours, Accept(failed, b"failed\r\n"), Place(failed_placed))
     assert outcomes[0].startswith(ERROR) and "injected bug" in outcomes[0]
-    assert not layout.message_path(failed.id).exists()  # never acknowledged: removed
+    assert outcomes[1] == outcomes[0]
+    for gone in (failed, failed_placed):  # never acknowledged: removed
+        assert not layout.message_path(gone.id).exists()
+        assert not layout.tmp_path(gone.id).exists()
     assert ask(ours, Accept(later, b"later\r\n")) == [OK]  # the writer goes on
     ours.close()
     thread.join(10)
@@ -118,6 +131,21 @@ def test_an_accept_in_flight_when_the_writer_died_is_answered_from_the_disk(layo
     assert not layout.tmp_path(lost.id).exists()
     new.close()
     assert queued(layout) == {placed.id}
+
+
+def test_a_placed_file_is_taken_as_a_writer_that_died_left_it(layout):
+    # The dead writer renamed one file but journaled nothing; another file it never got.
+    dead = writer(layout)
+    renamed, lost = message(), message()
+    streamed(layout, renamed, b"renamed\r\n")
+    assert dead._move_file(Place(renamed)) == OK
+    dead.close()
+    new = writer(layout)
+    outcomes = new.commit([Place(renamed), Place(lost)])
+    assert outcomes[0] == OK and "not on disk" in outcomes[1]
+    new.close()
+    assert queued(layout) == {renamed.id}
+    assert read_message_file(layout.message_path(renamed.id)) == (renamed, b"renamed\r\n")
 
 
 def test_a_removed_message_is_not_brought_back_by_its_file(layout):
@@ -195,22 +223,25 @@ def test_file_directory_and_journal_syncs_all_come_before_the_answer(layout, tmp
     theirs.close()
     try:
         assert receive(ours) == b"ready"
-        accepted = message()
-        began = len(log.read_text().splitlines())
-        assert ask(ours, Accept(accepted, b"Subject: x\r\n\r\nbody\r\n")) == [OK]
-        calls = [line.split(" ", 1) for line in log.read_text().splitlines()[began:]]
+        rounds = []
+        accepted, placed = message(), message()
+        streamed(layout, placed, b"Subject: x\r\n\r\nwritten by the daemon\r\n")
+        for op in (Accept(accepted, b"Subject: x\r\n\r\nbody\r\n"), Place(placed)):
+            began = len(log.read_text().splitlines())
+            assert ask(ours, op) == [OK]
+            rounds.append([line.split(" ", 1) for line in log.read_text().splitlines()[began:]])
     finally:
         ours.close()
         child.wait(10)
-    directory = str(layout.message_dir(accepted.id))
-    steps = [
-        ("fsync", str(layout.tmp_path(accepted.id))),  # the data, before the rename
-        ("fsync", directory),  # the rename
-        ("fdatasync", str(journal.list_segments(layout.journal)[-1])),  # the record
-    ]
-    # Each sync happened, in this order, and all before the one answer (the 250).
-    assert [call[0] for call in calls].index("answer") == len(calls) - 1
-    assert [tuple(call) for call in calls if tuple(call) in steps] == steps
+    for record, calls in zip((accepted, placed), rounds, strict=True):
+        steps = [
+            ("fsync", str(layout.tmp_path(record.id))),  # the data, before the rename
+            ("fsync", str(layout.message_dir(record.id))),  # the rename
+            ("fdatasync", str(journal.list_segments(layout.journal)[-1])),  # the record
+        ]
+        # Each sync happened, in this order, and all before the one answer (the 250).
+        assert [call[0] for call in calls].index("answer") == len(calls) - 1
+        assert [tuple(call) for call in calls if tuple(call) in steps] == steps
 
 
 def test_the_writer_exits_quietly_when_the_daemon_dies(layout):

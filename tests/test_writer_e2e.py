@@ -39,6 +39,18 @@ def submit(port: int, results: list[tuple[str, str, int, str]], stop: threading.
             results.append((marker, "lost", 0, repr(exc)))
 
 
+def mail_while_down(port: int, daemon: DaemonProcess, killed: int) -> str | None:
+    """The first refusal of MAIL by a new client before a writer replaces `killed`."""
+    while writer_pid(daemon) in (0, killed):
+        with smtplib.SMTP("127.0.0.1", port, timeout=30) as client:
+            client.ehlo()
+            code, reply = client.mail("probe@example.com")
+        if code != 250:
+            return f"{code} {reply.decode()}"
+        time.sleep(0.02)
+    return None
+
+
 def test_killing_the_writer_loses_no_answer_and_the_daemon_keeps_serving(start_daemon):
     daemon = start_daemon()
     results: list[tuple[str, str, int, str]] = []
@@ -49,11 +61,15 @@ def test_killing_the_writer_loses_no_answer_and_the_daemon_keeps_serving(start_d
     for thread in threads:
         thread.start()
     rng = random.Random(5)
+    probes: list[str | None] = []
     try:
         for _ in range(3):
             time.sleep(rng.uniform(0.3, 0.9))
             pid = wait_for(lambda: writer_pid(daemon), what="a writer")
             os.kill(pid, signal.SIGKILL)
+            # A client arriving while the writer is down is told so at MAIL. (The load's
+            # own clients may all be waiting for their answer to DATA meanwhile.)
+            probes.append(mail_while_down(daemon.port, daemon, pid))
             wait_for(lambda: writer_pid(daemon) not in (0, pid), what="a new writer")  # noqa: B023
         time.sleep(0.5)
     finally:
@@ -70,7 +86,11 @@ def test_killing_the_writer_loses_no_answer_and_the_daemon_keeps_serving(start_d
     # Refusals only say what happened: the writer is restarting (never "storage full").
     assert {code for _, _, code, _ in refused} <= {451}
     mail_refusals = [reply for _, step, _, reply in refused if step == "mail"]
-    assert mail_refusals and all("4.3.0" in r and "restarting" in r for r in mail_refusals)
+    mail_refusals += [reply for reply in probes if reply is not None]
+    # The restarts back off (0.5 s, then 1 s, 2 s): the later probes see a writer down.
+    assert mail_refusals and all("4.3.0" in r and "restarting" in r for r in mail_refusals), [
+        r for r in mail_refusals if "restarting" not in r
+    ]
     # Every 250 is in the queue, once; nothing answered 451 is.
     found = markers_in_queue(daemon)
     assert {marker: ids[0] for marker, ids in found.items()} == acked

@@ -3,6 +3,9 @@
 A plain asyncio Protocol (no StreamReader): each read goes straight into the
 session, replies go straight out. Commits go to the spool as futures with a
 done-callback, so accepting a message costs no task and no thread hop of its own.
+A message too large to hold is written to its spool file piece by piece as the
+session hands it on; while a piece is written (in a thread) we stop reading that
+client once a little more has come, so the client waits for the disk, not our memory.
 """
 
 from __future__ import annotations
@@ -16,14 +19,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..logs import get_logger
-from ..spool.store import Spool, StorageFull
-from ..submission import Received, Refused, SubmissionSettings, prepare
+from ..model import Message
+from ..spool.store import IncomingMessage, Spool, StorageFull
+from ..submission import Received, Refused, SubmissionSettings, prepare, prepare_header
 from .auth import Credentials
-from .server_session import CheckCredentials, ServerSession, SessionSettings, StartTLS, Submit
+from .server_session import (
+    CheckCredentials,
+    Finish,
+    ServerSession,
+    SessionSettings,
+    StartTLS,
+    Stream,
+    Submit,
+    Write,
+)
 
 log = get_logger("listener")
 
 MAX_PIPELINED = 1 << 20  # input buffered while a commit is pending before we stop reading
+STREAM_BACKLOG = 1 << 17  # the same while a piece of a streamed message is written
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +147,8 @@ class SubmissionProtocol(asyncio.Protocol):
         # When the command line (or the DATA transfer) in progress must be done by.
         self.deadline = time.monotonic() + listener.settings.command_timeout
         self._waiting = False
+        self._waited_from = 0.0  # monotonic: when the pending action began
+        self._incoming: IncomingMessage | None = None  # the streamed message being written
         self._write_paused = False  # our replies pile up: the client does not read them
         self._reading = True
         self._starting_tls = False
@@ -165,6 +181,9 @@ class SubmissionProtocol(asyncio.Protocol):
         transport.write(self.session.greeting())
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._incoming is not None:  # gone in the middle of a streamed message
+            self._incoming.discard()
+            self._incoming = None
         listener = self.listener
         if self in listener.connections:
             listener.connections.discard(self)
@@ -222,8 +241,16 @@ class SubmissionProtocol(asyncio.Protocol):
             transport.write(out)
         if action is not None:
             self._waiting = True
+            self._waited_from = time.monotonic()
             if isinstance(action, Submit):
                 self._submit(action)
+            elif isinstance(action, Stream):
+                self._stream(action)
+            elif isinstance(action, Write):
+                assert self._incoming is not None
+                self._stored(self._incoming.write(action.data))
+            elif isinstance(action, Finish):
+                self._finish(action)
             elif isinstance(action, CheckCredentials):
                 self._check_credentials(action)
             elif isinstance(action, StartTLS):
@@ -239,7 +266,12 @@ class SubmissionProtocol(asyncio.Protocol):
         self._waiting = False
         if self.session is None or self.transport is None:
             return
-        self._restart_deadline(time.monotonic())  # the client waited for us, not we for it
+        # The client waited for us, not we for it: that time is not its own.
+        now = time.monotonic()
+        if self.session.in_data:  # a piece of a streamed message was written
+            self.deadline += now - self._waited_from
+        else:
+            self._restart_deadline(now)
         self._update_reading()
         self._continue(self.session.resume(outcome))
 
@@ -256,7 +288,46 @@ class SubmissionProtocol(asyncio.Protocol):
         future = spool.accept(message, content)
         future.add_done_callback(lambda f: self._committed(f, message))
 
-    def _committed(self, future: asyncio.Future, message) -> None:
+    def _stream(self, stream: Stream) -> None:
+        """A message too large to hold begins: write its file as it comes."""
+        spool = self.listener.spool
+        now = time.time()
+        received = Received(spool.ids.next(now), now, self.client, self._tls)
+        try:
+            message, header = prepare_header(
+                stream, stream.header, 0, received, self.listener.settings.submission
+            )
+        except Refused as exc:
+            log.info("refused", client=self.client, sender=stream.envelope.sender, reply=str(exc))
+            self._resume(str(exc))  # the session reads the rest and answers this
+            return
+        self._incoming = spool.incoming(message)
+        self._stored(self._incoming.write(header, stream.data))
+
+    def _stored(self, future: asyncio.Future) -> None:
+        def done(f: asyncio.Future) -> None:
+            exc = f.exception()
+            if exc is None:
+                self._resume(None)
+                return
+            if self._incoming is not None:
+                self._incoming.discard()
+                self._incoming = None
+            self._resume(self._storage_refusal(exc))
+
+        future.add_done_callback(done)
+
+    def _finish(self, finish: Finish) -> None:
+        incoming, self._incoming = self._incoming, None  # the spool's from now on
+        assert incoming is not None
+        if finish.refusal is not None:
+            incoming.discard()
+            self._resume(finish.refusal)
+            return
+        future = incoming.commit(finish.data)
+        future.add_done_callback(lambda f: self._committed(f, incoming.message))
+
+    def _committed(self, future: asyncio.Future, message: Message) -> None:
         exc = future.exception()
         if exc is None:
             queue_id = future.result()
@@ -280,13 +351,16 @@ class SubmissionProtocol(asyncio.Protocol):
                     client=self.client,
                 )
             reply = f"250 2.0.0 Ok: queued as {queue_id}"
-        elif isinstance(exc, StorageFull):
-            log.error("spool_full", error=str(exc), client=self.client)
-            reply = "452 4.3.1 Insufficient system storage"
         else:
-            log.error("spool_write_failed", error=str(exc), client=self.client)
-            reply = "451 4.3.0 Temporary storage failure, try again later"
+            reply = self._storage_refusal(exc)
         self._resume(reply)
+
+    def _storage_refusal(self, exc: BaseException) -> str:
+        if isinstance(exc, StorageFull):
+            log.error("spool_full", error=str(exc), client=self.client)
+            return "452 4.3.1 Insufficient system storage"
+        log.error("spool_write_failed", error=str(exc), client=self.client)
+        return "451 4.3.0 Temporary storage failure, try again later"
 
     def _check_credentials(self, action: CheckCredentials) -> None:
         credentials = self.listener.credentials
@@ -334,7 +408,8 @@ class SubmissionProtocol(asyncio.Protocol):
         session, transport = self.session, self.transport
         if session is None or transport is None:
             return
-        backlog = self._waiting and session.buffered > MAX_PIPELINED
+        limit = STREAM_BACKLOG if session.streaming else MAX_PIPELINED
+        backlog = self._waiting and session.buffered > limit
         reading = not (self._write_paused or backlog)
         if reading != self._reading:
             self._reading = reading

@@ -5,6 +5,11 @@ plus at most one `Action` at a time that needs I/O (commit the message, check a
 password, start TLS). While an action is pending, further pipelined input waits
 in the buffer; the I/O layer calls `resume()` with the outcome.
 
+A message is held whole and committed with one `Submit`, unless its data grows
+past `stream_threshold`: then it is handed on in pieces as it arrives (`Stream`,
+`Write`..., `Finish`), and the session keeps only a few octets of it (and its
+header, until the header ends), so the memory a session takes is bounded.
+
 We write this instead of using aiosmtpd's server: the listener is the product's
 hot path (see bench/RESULTS.md), and RFC 3461 parameters, per-recipient DSN
 options, case-exact ENVID, bare-newline policy and limits all needed overriding
@@ -14,19 +19,17 @@ anyway. aiosmtpd still serves as the test and benchmark peers.
 from __future__ import annotations
 
 import base64
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..model import Recipient
+from . import content as data_
 from .addresses import ATOM, AddressError, check_mailbox, split_path, xtext_decode
+from .content import Limits, Pieces
 
 MAX_COMMAND_LINE = 2048  # RFC 5321 allows 512, plus room for DSN parameters
 MAX_ERRORS = 20  # replies with an error before we hang up on a confused client
-_BARE_NEWLINE = re.compile(rb"\r(?!\n)|(?<!\r)\n")
-_LINE_START_DOT = re.compile(rb"(\r\n|\r|\n)\.")  # a dot after any line ending
-_EMPTY_LINE_LF = re.compile(rb"(\A|\n)\r?\n")  # the header's end, lines ending in LF or CRLF
-_EMPTY_LINE_CRLF = re.compile(rb"(\A|\r\n)\r\n")  # the header's end, lines ending in CRLF
+STREAM_PIECE = 128 << 10  # a streamed message is handed on once this much data is in
 _NOTIFY_VALUES = frozenset({"SUCCESS", "FAILURE", "DELAY"})
 _OVERLONG = "\x00overlong"  # _take_line's marker for a line that was too long
 
@@ -38,6 +41,10 @@ class SessionSettings:
     max_recipients: int
     bare_newline: str = "normalize"  # or "reject"
     max_line_length: int = 1 << 20  # listen.max_line_length, octets without the CRLF
+    stream_threshold: int | None = None  # spool.stream_threshold; None: hold every message
+    # The header must end within this many octets of data; an LF-only client is known by
+    # its first this many (see content.py).
+    max_header_size: int = 1 << 20
     tls_available: bool = False
     auth_available: bool = False
     auth_required: bool = False
@@ -65,6 +72,37 @@ class Submit:
 
 
 @dataclass(frozen=True, slots=True)
+class Stream:
+    """The start of a message too large to hold: store its header and the content so far;
+    the rest follows as `Write`s and a `Finish`. resume() with None to go on, or with the
+    reply to give at the final dot if it cannot be stored (the rest is then read and
+    dropped)."""
+
+    envelope: Envelope
+    header: bytes  # the header lines, up to the empty line that ends them
+    data: bytes  # the content after them, so far
+    helo: str
+    esmtp: bool
+    user: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """More content of the message begun with `Stream`; resume() as for it."""
+
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The end of the message begun with `Stream`: its last content, then commit it, or
+    drop what was stored if `refusal` says why it is refused. resume() with the reply."""
+
+    data: bytes
+    refusal: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class CheckCredentials:
     """Verify a password; resume() with the user name, or None if it is wrong."""
 
@@ -77,7 +115,7 @@ class StartTLS:
     """Upgrade the connection; resume() once the handshake is done (or None if it failed)."""
 
 
-Action = Submit | CheckCredentials | StartTLS
+Action = Submit | Stream | Write | Finish | CheckCredentials | StartTLS
 
 # Session states.
 _COMMAND, _DATA, _AUTH_PLAIN, _AUTH_USER, _AUTH_PASS, _WAIT, _CLOSED = range(7)
@@ -110,9 +148,21 @@ class ServerSession:
         self._out: list[str] = []
         self._errors = 0
         self._discarding = False  # skipping the rest of an overlong command line
+        self._limits = Limits(
+            settings.max_message_size,
+            settings.max_line_length,
+            settings.max_header_size,
+            settings.bare_newline == "reject",
+        )
+        # The message data being read: a 2-octet context (at first a CRLF sentinel), then
+        # what has not been handed on yet.
         self._data = bytearray()
         self._data_scan = 0
         self._data_overflow = False
+        self._stream_from: int | None = None  # data octets from which to try streaming
+        self._pieces: Pieces | None = None  # set while the message is streamed
+        self._storing = False  # the I/O layer stores the streamed message
+        self._io_refusal: str | None = None  # its reply for a message it could not store
         self._auth_user = ""
         self._pending: Action | None = None
 
@@ -133,9 +183,17 @@ class ServerSession:
     def resume(self, outcome) -> Action | None:
         """Report the outcome of the pending action and continue with buffered input."""
         action, self._pending = self._pending, None
+        if isinstance(action, Stream | Write):
+            self._state = _DATA
+            if outcome is not None:  # it cannot be stored: read the rest, then answer this
+                self._storing, self._io_refusal = False, outcome
+            return self._advance()
         self._state = _COMMAND
         if isinstance(action, Submit):
             self._reply(outcome)
+            self.envelope = None
+        elif isinstance(action, Finish):
+            (self._reply if action.refusal is None else self._error)(outcome)
             self.envelope = None
         elif isinstance(action, CheckCredentials):
             if outcome:
@@ -174,7 +232,12 @@ class ServerSession:
 
     @property
     def in_data(self) -> bool:
-        return self._state == _DATA
+        """Reading message data (a streamed message's pending piece included)."""
+        return self._state == _DATA or isinstance(self._pending, Stream | Write)
+
+    @property
+    def streaming(self) -> bool:
+        return self._pieces is not None
 
     @property
     def buffered(self) -> int:
@@ -186,7 +249,7 @@ class ServerSession:
         while self._state not in (_WAIT, _CLOSED):
             if self._state == _DATA:
                 if not self._take_data():
-                    return None
+                    break
                 self.completed += 1
                 continue
             line = self._take_line()
@@ -221,61 +284,130 @@ class ServerSession:
         return raw.decode("utf-8", "surrogateescape")
 
     def _take_data(self) -> bool:
-        """Collect message data up to <CRLF>.<CRLF>; False when more input is needed."""
+        """Collect message data up to <CRLF>.<CRLF>; False when more input is needed (or
+        a piece of a streamed message waits to be stored)."""
         data = self._data
         data += self._buf
         self._buf.clear()
         end = data.find(b"\r\n.\r\n", self._data_scan)
         if end < 0:
             self._data_scan = max(0, len(data) - 4)
-            # Dot-stuffing adds at most a third (".\r\n" -> "..\r\n"); the exact size
-            # of the unstuffed content is checked at the end.
-            if len(data) > self.settings.max_message_size * 4 // 3 + 8:
+            if self._pieces is not None:
+                if len(data) - 2 >= STREAM_PIECE:
+                    self._stream_piece(data, _cut_point(data))
+            elif self._data_overflow or len(data) - 4 > self._limits.max_raw:
                 # Too big: keep reading to the end, but keep nothing but the tail.
                 self._data_overflow = True
                 del data[:-4]
                 self._data_scan = 0
+            elif self._stream_from is not None and len(data) - 2 >= self._stream_from:
+                self._start_stream(data)
             return False
         self._buf[:0] = data[end + 5 :]
-        # `data` starts with a CRLF sentinel so that the terminator needs no special case
-        # on the first line; the content is what lies between it and the final ".\r\n".
-        stuffed = bytes(data[: end + 2])
-        self._data = bytearray()
-        self._data_scan = 0
-        overflow, self._data_overflow = self._data_overflow, False
         self._state = _COMMAND
-        self._finish_data(stuffed, overflow)
+        pieces, storing, io_refusal = self._pieces, self._storing, self._io_refusal
+        # The content is what lies between the context and the final ".\r\n".
+        if pieces is None:
+            overflow = self._data_overflow or end > self._limits.max_raw
+            stuffed = bytes(data[: end + 2])
+            self._end_data()
+            self._finish_data(stuffed, overflow)
+        else:
+            last = pieces.take(bytes(data[2 : end + 2]), bytes(data[:2]), pieces.header_over)
+            self._end_data()
+            self._finish_stream(pieces, last, storing, io_refusal)
         return True
 
+    def _end_data(self) -> None:
+        self._data = bytearray()
+        self._data_scan = 0
+        self._data_overflow = False
+        self._stream_from = self._pieces = self._io_refusal = None
+        self._storing = False
+
     def _finish_data(self, stuffed: bytes, overflow: bool) -> None:
+        """A message held whole: `stuffed` is its data after the CRLF sentinel."""
         envelope = self.envelope
         assert envelope is not None
-        settings = self.settings
+        limits = self._limits
+        window = limits.window
+        refusal = None
         if overflow:
-            refusal = "552 5.3.4 Error: message too big for system"
-        elif stuffed.count(b"\n") == stuffed.count(b"\r\n") == stuffed.count(b"\r"):
-            refusal = None
-            content = stuffed.replace(b"\r\n.", b"\r\n")[2:]  # CRLF only: the fast path
-        elif settings.bare_newline == "reject":
-            refusal = "550 5.6.0 Error: bare <CR> or <LF> in message content (RFC 5321 2.3.8)"
+            refusal = data_.TOO_BIG
+        elif not data_.has_bare_newline(stuffed):  # CRLF only: the fast path
+            content = stuffed.replace(b"\r\n.", b"\r\n")[2:]
+            header_over = len(stuffed) - 2 > window and data_.header_end(stuffed, True, window) < 0
+        elif limits.reject:
+            refusal = data_.BARE
         else:
-            refusal = None
-            content = _normalize(stuffed[2:])
+            content, header_over = _normalize(stuffed, window)
         if refusal is None:
-            if len(content) > settings.max_message_size:
-                refusal = "552 5.3.4 Error: message too big for system"
-            elif settings.bare_newline == "reject" and b"\0" in content:
-                refusal = "550 5.6.0 Error: NUL character in message content (RFC 5322 2.3)"
-            elif _has_line_over(content, settings.max_line_length):
-                refusal = (
-                    f"550 5.6.0 Error: message has a line over {settings.max_line_length}"
-                    " characters"
-                )
+            refusal = data_.refusal(
+                limits,
+                too_big=len(content) > limits.max_size,
+                header_over=header_over,
+                nul=limits.reject and b"\0" in content,
+                long_line=data_.has_line_over(content, limits.max_line),
+            )
         if refusal is not None:
             self.envelope = None
             self._error(refusal)
             return
         self._wait(Submit(envelope, content, self.helo, self.esmtp, self.user))
+
+    def _start_stream(self, data: bytearray) -> None:
+        """Past the threshold: once the client's line ending and the end of the header are
+        known, hand the header on and go on in pieces."""
+        window = self._limits.window
+        crlf = data_.uses_crlf(data, window, complete=False)
+        split = -1 if crlf is None else data_.header_end(data, crlf, window)
+        cut = _cut_point(data)
+        header_over = crlf is not None and split < 0 and len(data) >= window + 5
+        if crlf is None or (split < 0 and not header_over) or split > cut:
+            # Not known yet. Look again once the data has grown by an eighth: searching
+            # it again on every small read would cost time quadratic in its length.
+            self._stream_from = len(data) - 2 + len(data) // 8 + 1
+            return
+        pieces = self._pieces = Pieces(self._limits, crlf)
+        if header_over:  # refused: the data is only counted, all of it as header
+            pieces.header_over = True
+            pieces.take(bytes(data[2:cut]), bytes(data[:2]), True)
+            self._cut(data, cut)
+            return
+        header = pieces.take(bytes(data[2:split]), bytes(data[:2]), True)
+        first = pieces.take(bytes(data[split:cut]), bytes(data[split - 2 : split]), False)
+        self._cut(data, cut)
+        if not pieces.refused:
+            assert self.envelope is not None
+            self._storing = True
+            self._wait(Stream(self.envelope, header, first, self.helo, self.esmtp, self.user))
+
+    def _stream_piece(self, data: bytearray, cut: int) -> None:
+        pieces = self._pieces
+        assert pieces is not None
+        content = pieces.take(bytes(data[2:cut]), bytes(data[:2]), pieces.header_over)
+        self._cut(data, cut)
+        if content and self._storing:
+            self._wait(Write(content))
+
+    def _cut(self, data: bytearray, cut: int) -> None:
+        """Drop the data before `cut` (handed on), but the two octets of context."""
+        del data[: cut - 2]
+        self._data_scan = max(0, len(data) - 4)
+
+    def _finish_stream(
+        self, pieces: Pieces, last: bytes, storing: bool, io_refusal: str | None
+    ) -> None:
+        refusal = pieces.refusal()
+        if storing:
+            self._wait(Finish(last, refusal))
+            return
+        self.envelope = None
+        if refusal is not None:
+            self._error(refusal)
+        else:  # the I/O layer could not store it; what it said, as for a Submit
+            assert io_refusal is not None
+            self._reply(io_refusal)
 
     # -- commands ---------------------------------------------------------
 
@@ -448,6 +580,7 @@ class ServerSession:
         self._reply("354 End data with <CR><LF>.<CR><LF>")
         self._state = _DATA
         self._data = bytearray(b"\r\n")
+        self._stream_from = self.settings.stream_threshold
 
     def _rset(self, arg: str) -> None:
         self.envelope = None
@@ -583,37 +716,24 @@ def _params(text: str):
         yield key.upper(), value
 
 
-def _normalize(raw: bytes) -> bytes:
-    """bare_newline = "normalize": make CRLF lines of dot-stuffed data with bare CR or LF.
-
-    In the body a bare CR or LF ends a line, as the client meant it. In the header only
-    an LF-only client (no CRLF in its data but the one before the final dot) ends lines
-    with a bare LF; for any other a bare CR or LF is inside a header line and becomes a
-    space, as in Postfix, so "Subject: hi<CR>X-Mtaqueue-Class: p0" cannot inject a
-    header. Dot-unstuffing follows the same lines, whatever ends them.
-    """
-    crlf = b"\r\n" in raw[:-2]
-    end = (_EMPTY_LINE_CRLF if crlf else _EMPTY_LINE_LF).search(raw)
-    split = len(raw) if end is None else end.end(1)
-    header, body = raw[:split], raw[split:]  # the body starts with the empty line
-    if crlf:
-        header = _BARE_NEWLINE.sub(b" ", header)
-    else:
-        header = header.replace(b"\r\n", b"\n").replace(b"\r", b" ").replace(b"\n", b"\r\n")
-    header = (b"\r\n" + header).replace(b"\r\n.", b"\r\n")[2:]
-    return header + _BARE_NEWLINE.sub(b"\r\n", _LINE_START_DOT.sub(rb"\1", body))
+def _normalize(stuffed: bytes, window: int) -> tuple[bytes, bool]:
+    """bare_newline = "normalize": the content of data with bare CR or LF (see content.py),
+    and whether its header is too long to end within the window."""
+    crlf = data_.uses_crlf(stuffed, window, complete=True)
+    assert crlf is not None
+    split = data_.header_end(stuffed, crlf, window)
+    if split < 0:  # all header
+        return data_.header(stuffed[2:], crlf, True), len(stuffed) - 2 > window
+    header = data_.header(stuffed[2:split], crlf, True)
+    return header + data_.body(stuffed[split:], True), False
 
 
-def _has_line_over(content: bytes, limit: int) -> bool:
-    """Does a line of CRLF-terminated `content` have more than `limit` octets before its CRLF?"""
-    start = 0
-    # Each step skips to the last line end within reach: a few steps for any message.
-    while len(content) - start > limit + 2:
-        newline = content.rfind(b"\n", start, start + limit + 2)
-        if newline < 0:
-            return True
-        start = newline + 1
-    return False
+def _cut_point(data: bytearray) -> int:
+    """Where to cut the data read so far into a piece: the final dot may still start at
+    the last 2 octets kept as context (any earlier one would have been found), and a
+    piece must not end just after a CR, which may be half a CRLF."""
+    cut = len(data) - 2
+    return cut - 1 if data[cut - 1] == 0x0D else cut
 
 
 def _b64(text: str) -> str | None:

@@ -1,8 +1,16 @@
-"""One message on disk: a checksummed prelude, the record at acceptance, the content.
+"""One message on disk: a checksummed prelude, the content, the record at acceptance.
 
-    prelude  <4sIII>  magic b"MTQ1", header length, crc32(header), crc32(content)
-    header            msgpack of the `Message` as accepted
-    content           the message as received: CRLF line endings, dot-unstuffed
+    prelude  <4sQIII>  magic b"MTQ2", content length, header length,
+                       crc32(content), crc32(header)
+    content            the message as received: CRLF line endings, dot-unstuffed
+    header             msgpack of the `Message` as accepted
+
+The content comes first so that a message too large to hold can be written as it
+arrives (`MessageFileWriter`): its record, which holds its size, and the prelude
+follow once it is complete. Files of the first format are still read:
+
+    prelude  <4sIII>   magic b"MTQ1", header length, crc32(header), crc32(content)
+    header, content
 
 The header lets recovery rebuild a message whose journal record was lost; the
 journal, not the header, holds its current state.
@@ -10,8 +18,10 @@ journal, not the header, holds its current state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -19,8 +29,12 @@ import msgspec
 
 from mtaqueue.model import Message
 
-MAGIC = b"MTQ1"
-_PRELUDE = struct.Struct("<4sIII")
+from .durable import write_all
+
+MAGIC = b"MTQ2"
+MAGIC_V1 = b"MTQ1"
+_PRELUDE = struct.Struct("<4sQIII")
+_PRELUDE_V1 = struct.Struct("<4sIII")
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -33,10 +47,79 @@ class CorruptMessageFile(ValueError):
         self.reason = reason
 
 
-def prelude_and_header(message: Message, content: bytes) -> bytes:
-    """Everything before the content, so the writer can writev() without copying it."""
+def file_parts(message: Message, content: bytes) -> tuple[bytes, bytes, bytes]:
+    """The prelude, content and header of a message file, for one writev() (no copy)."""
     header = _encoder.encode(message)
-    return _PRELUDE.pack(MAGIC, len(header), zlib.crc32(header), zlib.crc32(content)) + header
+    return _prelude(len(content), zlib.crc32(content), header), content, header
+
+
+def _prelude(content_length: int, content_crc: int, header: bytes) -> bytes:
+    return _PRELUDE.pack(MAGIC, content_length, len(header), content_crc, zlib.crc32(header))
+
+
+class MessageFileWriter:
+    """A message file whose content arrives in pieces. Blocking calls, for a worker
+    thread, one at a time (but `discard()`, which may come from another): a placeholder
+    prelude and the content as it comes, then the header record and, in place, the real
+    prelude. The file (a temp file, which the spool writer renames) is whole only once
+    `finish()` has returned."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.length = 0  # octets of content written
+        self._crc = 0
+        self._fd = -1
+        self._discarded = False
+        self._lock = threading.Lock()
+
+    def write(self, *parts: bytes) -> None:
+        with self._lock:
+            fd = self._open()
+            write_all(fd, *parts)
+            for part in parts:
+                self._crc = zlib.crc32(part, self._crc)
+                self.length += len(part)
+
+    def finish(self, message: Message) -> None:
+        """Write the record (`message`, its size that of the content written) and the
+        prelude, flush the file to disk and close it."""
+        header = _encoder.encode(message)
+        with self._lock:
+            fd = self._open()
+            write_all(fd, header)
+            prelude = _prelude(self.length, self._crc, header)
+            if os.pwrite(fd, prelude, 0) != len(prelude):
+                raise OSError(f"short write of the prelude of {self.path}")
+            # Flushed here, in the daemon's thread: the spool writer's own fsync (before
+            # its rename) then finds nothing to write, and its round is not held up.
+            os.fsync(fd)
+            self._fd = -1
+            os.close(fd)
+
+    def discard(self) -> None:
+        """Close and remove the file, wherever it got to."""
+        with self._lock:
+            self._discarded = True
+            if self._fd >= 0:
+                fd, self._fd = self._fd, -1
+                os.close(fd)
+            with contextlib.suppress(OSError):  # a temp file: the start-up sweep removes it
+                self.path.unlink(missing_ok=True)
+
+    def _open(self) -> int:
+        if self._discarded:
+            raise FileNotFoundError(f"{self.path} was discarded")
+        if self._fd < 0:
+            self._fd = os.open(
+                self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
+            )
+            try:
+                write_all(self._fd, bytes(_PRELUDE.size))
+            except OSError:
+                os.close(self._fd)
+                self._fd = -1
+                raise
+        return self._fd
 
 
 def read_message_file(path: Path) -> tuple[Message, bytes]:
@@ -55,19 +138,41 @@ def _read(path: Path) -> tuple[bytes, bytes]:
     """The header and content, checked against the prelude."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        prelude = f.read(_PRELUDE.size)
+        magic = f.read(4)
+        if magic == MAGIC_V1:
+            return _read_v1(path, f, size)
+        if len(magic) == 4 and magic != MAGIC:
+            raise CorruptMessageFile(path, f"bad magic {magic!r}")
+        prelude = magic + f.read(_PRELUDE.size - 4)
         if len(prelude) < _PRELUDE.size:
             raise CorruptMessageFile(path, f"short file ({size} bytes)")
-        magic, header_len, header_crc, content_crc = _PRELUDE.unpack(prelude)
-        if magic != MAGIC:
-            raise CorruptMessageFile(path, f"bad magic {magic!r}")
+        _, content_len, header_len, content_crc, header_crc = _PRELUDE.unpack(prelude)
         # Checked before reading, so a corrupt length cannot make us allocate it.
-        if header_len > size - _PRELUDE.size:
-            raise CorruptMessageFile(path, f"header length {header_len} exceeds the file")
+        if _PRELUDE.size + content_len + header_len != size:
+            raise CorruptMessageFile(
+                path, f"lengths {content_len} + {header_len} do not add up to the file's {size}"
+            )
+        content = f.read(content_len)
         header = f.read(header_len)
-        content = f.read()
+    _check(path, header, header_crc, content, content_crc)
+    return header, content
+
+
+def _read_v1(path: Path, f, size: int) -> tuple[bytes, bytes]:
+    prelude = MAGIC_V1 + f.read(_PRELUDE_V1.size - 4)
+    if len(prelude) < _PRELUDE_V1.size:
+        raise CorruptMessageFile(path, f"short file ({size} bytes)")
+    _, header_len, header_crc, content_crc = _PRELUDE_V1.unpack(prelude)
+    if header_len > size - _PRELUDE_V1.size:
+        raise CorruptMessageFile(path, f"header length {header_len} exceeds the file")
+    header = f.read(header_len)
+    content = f.read()
+    _check(path, header, header_crc, content, content_crc)
+    return header, content
+
+
+def _check(path: Path, header: bytes, header_crc: int, content: bytes, content_crc: int) -> None:
     if zlib.crc32(header) != header_crc:
         raise CorruptMessageFile(path, "header checksum mismatch")
     if zlib.crc32(content) != content_crc:
         raise CorruptMessageFile(path, "content checksum mismatch")
-    return header, content

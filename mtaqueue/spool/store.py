@@ -7,6 +7,10 @@ idle; each change's future resolves only once the writer has synced it, so a
 250 reply never precedes the disk. The index (`messages`) is updated on the
 event loop when a batch comes back.
 
+A message too large to hold is written to its file by the daemon as it arrives
+(`incoming()`, in a few threads of the daemon's, so that the event loop never
+waits for the disk); the writer then only syncs and renames that file (`Place`).
+
 If the writer dies, it is started again (with a backoff if it keeps dying) and
 nothing waiting is lost: of the batch it had in flight, the accepts are asked of
 the new writer (is the file on disk?) and the other changes are sent again
@@ -23,6 +27,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -31,8 +36,9 @@ from ..ids import IdGenerator
 from ..logs import get_logger
 from ..model import Message
 from . import journal
+from .durable import is_disk_full
 from .layout import SpoolLayout
-from .message_file import read_content
+from .message_file import MessageFileWriter, read_content
 from .records import Suppress, Unsuppress
 from .writer import (
     ERROR,
@@ -42,6 +48,7 @@ from .writer import (
     Batch,
     BatchResult,
     Op,
+    Place,
     Remove,
     Update,
     frame,
@@ -56,6 +63,7 @@ WRITER_START_TIMEOUT = 60.0
 WRITER_STABLE = 30.0
 WRITER_BACKOFF_FIRST = 0.5
 WRITER_BACKOFF_MAX = 30.0
+STREAM_THREADS = 4  # the daemon's threads writing the files of incoming messages
 WRITER_DOWN = "451 4.3.0 Spool writer restarting, try again later"
 DISK_LOW = "452 4.3.1 Insufficient system storage"
 
@@ -119,6 +127,7 @@ class Spool:
         self._progress = 0.0  # monotonic: last answer from the writer, or work began waiting
         self._closed = False
         self._lock_fd = -1
+        self._io = ThreadPoolExecutor(STREAM_THREADS, thread_name_prefix="spool-stream")
 
     @property
     def refusal(self) -> str | None:
@@ -285,6 +294,9 @@ class Spool:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+        # Pieces still queued are written (or their files removed) by the threads as they
+        # finish; a file left half written is a temp file, which the next start removes.
+        self._io.shutdown(wait=False)
         return not left
 
     def _lock(self) -> None:
@@ -306,6 +318,14 @@ class Spool:
         A message whose idempotency key was seen within the dedupe window is not
         stored again: the future yields the first message's id.
         """
+        return self._new(Accept(message, content))
+
+    def incoming(self, message: Message) -> IncomingMessage:
+        """A new message to write as its content arrives (data too large to hold)."""
+        return IncomingMessage(self, message)
+
+    def _new(self, op: Accept | Place) -> asyncio.Future:
+        message = op.message
         key = message.idempotency_key
         if key is not None:
             seen = self.keys.get(key)
@@ -320,7 +340,7 @@ class Spool:
             future = asyncio.get_running_loop().create_future()
             future.set_exception(StorageError("spool writer restarting"))
             return future
-        future = self._enqueue(Accept(message, content))
+        future = self._enqueue(op)
         if key is not None:
             self._pending_keys[key] = future
         return future
@@ -458,7 +478,7 @@ class Spool:
             result = op.message.id
         if not future.done():
             future.set_result(result)
-        if isinstance(op, Accept | Adopt):  # durable: queued, whoever still waits for it
+        if isinstance(op, Accept | Adopt | Place):  # durable: queued, whoever still waits
             message = op.message
             self.messages[message.id] = message
             if message.idempotency_key is not None:
@@ -472,10 +492,71 @@ class Spool:
             future.set_exception(exc)
 
     def _forget_pending_key(self, op: Op, future: asyncio.Future) -> None:
-        if isinstance(op, Accept | Adopt):
+        if isinstance(op, Accept | Adopt | Place):
             key = op.message.idempotency_key
             if key is not None and self._pending_keys.get(key) is future:
                 del self._pending_keys[key]
+
+
+class IncomingMessage:
+    """A new message written to its spool file as its content arrives.
+
+    `write()` the content piece by piece, each once the last is written (the futures
+    say so), then `commit()` or `discard()` it. The disk work runs in the spool's
+    threads; a file that is not committed is removed (a crash leaves a temp file, which
+    the start-up sweep removes)."""
+
+    def __init__(self, spool: Spool, message: Message) -> None:
+        self.message = message  # its record; its size is set by commit()
+        self._spool = spool
+        self._file = MessageFileWriter(spool.layout.tmp_path(message.id))
+
+    def write(self, *parts: bytes) -> asyncio.Future:
+        """Append content; the future fails with StorageFull or StorageError."""
+        return self._in_thread(self._file.write, *parts)
+
+    def commit(self, last: bytes) -> asyncio.Future:
+        """Append the last content, then make the message durable as `Spool.accept()`
+        does (with the same answers: the queue id, or a duplicate's first id)."""
+        self.message = msgspec.structs.replace(self.message, size=self._file.length + len(last))
+        result = asyncio.get_running_loop().create_future()
+
+        def finish() -> None:
+            self._file.write(last)
+            self._file.finish(self.message)
+
+        def finished(future: asyncio.Future) -> None:
+            if future.exception() is not None:
+                self.discard()
+                result.set_exception(future.exception())
+            else:
+                self._spool._new(Place(self.message)).add_done_callback(placed)
+
+        def placed(future: asyncio.Future) -> None:
+            exc = future.exception()
+            if exc is not None or future.result() != self.message.id:
+                self.discard()  # not stored, or a duplicate of one that is
+            if exc is not None:
+                result.set_exception(exc)
+            else:
+                result.set_result(future.result())
+
+        self._in_thread(finish).add_done_callback(finished)
+        return result
+
+    def discard(self) -> None:
+        """Forget it: its file is removed (in the background)."""
+        with contextlib.suppress(RuntimeError):  # closed: the next start removes the file
+            self._spool._io.submit(self._file.discard)
+
+    def _in_thread(self, call: Callable[..., None], *args: bytes) -> asyncio.Future:
+        def run() -> None:
+            try:
+                call(*args)
+            except OSError as exc:
+                raise (StorageFull if is_disk_full(exc) else StorageError)(str(exc)) from None
+
+        return asyncio.get_running_loop().run_in_executor(self._spool._io, run)
 
 
 async def _end(process: asyncio.subprocess.Process, timeout: float) -> None:

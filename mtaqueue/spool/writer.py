@@ -14,7 +14,9 @@ round accumulates in the daemon: that is the group commit.
 Per round: message files are written, fsynced (from several threads at once:
 concurrent fsyncs share the file system's journal commits) and renamed into
 place; each touched directory is fsynced once; the journal records of the
-round are appended with one fdatasync.
+round are appended with one fdatasync. A message too large to send over the
+socket comes as a `Place`: the daemon wrote its file as the data arrived, and
+the writer fsyncs it and renames it into place like the others.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ..model import Message
 from . import journal
 from .durable import fsync_dir, fsync_path, is_disk_full, write_all
 from .layout import SpoolLayout
-from .message_file import prelude_and_header
+from .message_file import file_parts
 from .records import Delete, JournalState, Put, Record, Suppress, Unsuppress
 
 IO_THREADS = 4
@@ -68,8 +70,19 @@ class Adopt(msgspec.Struct, tag=6, array_like=True, frozen=True):
     message: Message
 
 
+class Place(msgspec.Struct, tag=7, array_like=True, frozen=True):
+    """A new message whose file the daemon wrote whole as `<ID>.tmp` (streamed as it
+    arrived): fsync it and rename it into place, then as for an accept.
+
+    Sent again as it is if the writer died meanwhile: a file already renamed (by the
+    writer that died, after its fsync) is then taken as it is, as for an adopt.
+    """
+
+    message: Message
+
+
 # Suppression list changes are journal records as they are (tags 4 and 5).
-Op = Accept | Update | Remove | Suppress | Unsuppress | Adopt
+Op = Accept | Update | Remove | Suppress | Unsuppress | Adopt | Place
 
 
 class Batch(msgspec.Struct, array_like=True, frozen=True):
@@ -131,7 +144,7 @@ class SpoolWriter:
         records: list[Record | None] = [None] * len(ops)
         frames = [b""] * len(ops)
         for i, op in enumerate(ops):
-            if isinstance(op, Adopt) and op.message.id in self.state.messages:
+            if isinstance(op, Adopt | Place) and op.message.id in self.state.messages:
                 continue  # journaled already (by the writer that died): the file decides
             rec = _record(op)
             try:
@@ -140,7 +153,7 @@ class SpoolWriter:
                 outcomes[i] = f"{ERROR}cannot journal: {exc}"
             else:
                 records[i] = rec
-        files = [i for i, op in enumerate(ops) if isinstance(op, Accept | Adopt)]
+        files = [i for i, op in enumerate(ops) if isinstance(op, Accept | Adopt | Place)]
         files = [i for i in files if not outcomes[i]]
         placed = self._pool.map(self._place, [ops[i] for i in files])
         written = []
@@ -159,8 +172,9 @@ class SpoolWriter:
             except Exception as exc:
                 failure = _outcome(exc) if isinstance(exc, OSError) else f"{ERROR}{exc!r}"
                 for i in written:  # never acknowledged: do not leave them behind
-                    if isinstance(ops[i], Accept):  # an adopted file was there before
-                        with contextlib.suppress(OSError):  # else re-adopted at the next start
+                    # An adopted file was there before (else re-adopted at the next start).
+                    if isinstance(ops[i], Accept | Place) and records[i] is not None:
+                        with contextlib.suppress(OSError):
                             self.layout.message_path(ops[i].message.id).unlink(missing_ok=True)
                 return [outcome or failure for outcome in outcomes]
         # Durable from here on: nothing below may fail the batch.
@@ -176,8 +190,10 @@ class SpoolWriter:
             self.compact()
         return outcomes
 
-    def _place(self, op: Accept | Adopt) -> str:
-        return self._write_file(op) if isinstance(op, Accept) else self._sync_file(op)
+    def _place(self, op: Accept | Adopt | Place) -> str:
+        if isinstance(op, Accept):
+            return self._write_file(op)
+        return self._move_file(op) if isinstance(op, Place) else self._sync_file(op)
 
     def _write_file(self, op: Accept) -> str:
         """temp file, write, fsync, rename: the file appears whole or not at all."""
@@ -188,7 +204,7 @@ class SpoolWriter:
             return _outcome(exc)
         try:
             try:
-                write_all(fd, prelude_and_header(op.message, op.content), op.content)
+                write_all(fd, *file_parts(op.message, op.content))
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -198,7 +214,20 @@ class SpoolWriter:
             return _outcome(exc)
         return OK
 
-    def _sync_file(self, op: Adopt) -> str:
+    def _move_file(self, op: Place) -> str:
+        """fsync, rename: the file the daemon wrote appears whole or not at all."""
+        tmp = self.layout.tmp_path(op.message.id)
+        try:
+            fsync_path(tmp)
+            os.rename(tmp, self.layout.message_path(op.message.id))
+        except FileNotFoundError:
+            return self._sync_file(op)  # renamed by a writer that died, or never written
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            return _outcome(exc)
+        return OK
+
+    def _sync_file(self, op: Adopt | Place) -> str:
         queue_id = op.message.id
         if queue_id in self.state.deleted:
             return f"{ERROR}message {queue_id} was removed"
@@ -263,7 +292,7 @@ class SpoolWriter:
 def _record(op: Op) -> Record:
     if isinstance(op, Remove):
         return Delete(op.id, op.reason)
-    if isinstance(op, Accept | Update | Adopt):
+    if isinstance(op, Accept | Update | Adopt | Place):
         return Put(op.message)
     return op
 
