@@ -223,8 +223,7 @@ CASES = [
     # --- Postfix 3.7 and postgrey as a provider, verbatim (anvil limits with
     # smtpd_client_event_limit_exceptions empty, smtpd_soft/hard_error_limit, postgrey via
     # check_policy_service; captured from a private `postfix -c DIR` instance)
-    "mail 450 4.7.1 Error: too much mail from 127.0.0.1"
-    " => transient destination throttling 4.7.1",
+    "mail 450 4.7.1 Error: too much mail from 127.0.0.1 => transient destination throttling 4.7.1",
     "rcpt 450 4.7.1 Error: too many recipients from 127.0.0.1"
     " => transient destination throttling 4.7.1",
     "banner 421 4.7.0 pfbench-2631.localdomain Error: too many connections from 127.0.0.1"

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -48,10 +49,14 @@ from .breaker import CLOSED, HALF_OPEN, CircuitBreaker
 from .buckets import TokenBucket
 from .classify import DELIVERED, PERMANENT, RECIPIENT, THROTTLING, Verdict
 from .concurrency import AdaptiveConcurrency
+from .rate_learner import PROBING, SLOW_STARTING, Change, Learned, RateLearner
 from .replies import PHASES, Reply
 from .throttle import BackoffMode, ThrottleRules
 
 _MAIL = PHASES.index("mail")
+# A connection cap ("421 4.7.0 Error: too many connections from 192.0.2.1", "Too many
+# concurrent SMTP connections"): the concurrency is learned, not the rate.
+_CONNECTIONS = re.compile(r"too many (?:\w+ ){0,2}connections|connection (?:limit|count)", re.I)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +76,13 @@ class _Override:
 
 
 class DestinationShaper:
-    def __init__(self, pacing: config.Pacing, shaping: config.ShapingConfig, now: float) -> None:
+    def __init__(
+        self,
+        pacing: config.Pacing,
+        shaping: config.ShapingConfig,
+        now: float,
+        learned: Learned | None = None,
+    ) -> None:
         self.pacing = pacing
         self.release_spread = float(shaping.release_spread)
         self.concurrency = AdaptiveConcurrency(
@@ -95,6 +106,8 @@ class DestinationShaper:
         self._connections = TokenBucket(pacing.connections_per_minute / 60, pacing.burst, now)
         self._messages = TokenBucket(pacing.messages_per_minute / 60, pacing.burst, now)
         self._override: _Override | None = None
+        self.learner = RateLearner(now, learned)
+        self._opening = 0  # connections open when the last one was admitted
 
     # -- admission ---------------------------------------------------------------------
 
@@ -107,7 +120,10 @@ class DestinationShaper:
         breaker = self.breaker.wait(now)
         if breaker == math.inf or not self._room(active, reserved, first_class):
             return math.inf
-        return max(breaker, self._connections.wait(now))
+        wait = max(breaker, self._connections.wait(now), self.learner.wait(now))
+        if wait == 0.0:
+            self._opening = active  # what worked, should this one be refused as one too many
+        return wait
 
     def keeps(self, now: float, active: int, reserved: int, first_class: bool) -> bool:
         """Whether an open connection (counted in `active`, and in `reserved` if it is a
@@ -123,12 +139,14 @@ class DestinationShaper:
         self._connections.take(now)
 
     def send_wait(self, now: float) -> float:
-        """Seconds until a message may be sent (0.0: now)."""
+        """Seconds until a message may be sent (0.0: now): the rate, and the cool-down
+        after a throttle signal, which holds every connection of the destination."""
         self._apply(now)
-        return self._messages.wait(now)
+        return max(self._messages.wait(now), self.learner.wait(now))
 
     def sent(self, now: float) -> None:
         self._messages.take(now)
+        self.learner.sent(now)
 
     # -- feedback ----------------------------------------------------------------------
 
@@ -142,6 +160,7 @@ class DestinationShaper:
         if verdict.outcome == DELIVERED and reply.code:  # not a lost reply taken as delivered
             self.concurrency.success()
             self.backoff.success(now)
+            self.learner.delivered(now, self._rate_ceiling())
             self._answered(now)
         else:
             self._failed(now, reply, verdict)
@@ -150,7 +169,11 @@ class DestinationShaper:
     def latency(self, now: float, seconds: float) -> None:
         """A connect, greeting or reply time (one kind, consistently)."""
         self._apply(now)
+        limit = self.concurrency.limit
         self.concurrency.latency(seconds)
+        if self.concurrency.limit < limit:  # far above the baseline: silent throttling
+            baseline = self.concurrency.baseline or 0.0
+            self.learner.throttled(now, f"latency {seconds:.3f}s over a {baseline:.3f}s baseline")
 
     def retry_factor(self, now: float) -> float:
         """Stretch for the retry intervals of this destination's transient failures."""
@@ -221,6 +244,7 @@ class DestinationShaper:
             "messages_per_minute": self._messages.rate * 60,
             "connections_per_minute": self._connections.rate * 60,
             "latency_baseline": self.concurrency.baseline,
+            "learned": self._learned_view(now),
             "override": None
             if override is None
             else {
@@ -228,6 +252,31 @@ class DestinationShaper:
                 "concurrency": override.concurrency,
                 "until": override.until,
             },
+        }
+
+    def learned(self) -> Learned:
+        """What to remember across a restart."""
+        return self.learner.learned()
+
+    def changes(self) -> list[Change]:
+        """Learned limits that moved since the last call (`limit_learned`)."""
+        return self.learner.changes()
+
+    def probing(self, now: float) -> bool:
+        """Whether the rate is being raised to find the destination's limit."""
+        return self.learner.phase(now, self._rate_ceiling()) in (SLOW_STARTING, PROBING)
+
+    def _learned_view(self, now: float) -> dict:
+        learner = self.learner
+        return {
+            "rate_per_minute": learner.rate * 60,
+            "good_per_minute": learner.good * 60 or None,
+            "rate_reply": learner.rate_reply,
+            "concurrency": learner.concurrency or None,
+            "concurrency_reply": learner.concurrency_reply,
+            "phase": learner.phase(now, self._rate_ceiling()),
+            "probing": self.probing(now),
+            "paused_until": learner.paused_until if learner.wait(now) else None,
         }
 
     # -- internals -----------------------------------------------------------------------
@@ -242,17 +291,24 @@ class DestinationShaper:
 
     def _failed(self, now: float, reply: Reply, verdict: Verdict) -> None:
         rule_hit = self.rules.hit(reply.line(), now)
-        throttled = rule_hit or (verdict.kind == THROTTLING and verdict.scope != RECIPIENT)
-        if throttled:
-            self.backoff.signal(now)
-        if _connection_failure(reply, verdict):
+        if rule_hit:
+            self.backoff.signal(now)  # the site's own rule asks for backoff mode
+        if rule_hit or (verdict.kind == THROTTLING and verdict.scope != RECIPIENT):
+            self._throttled(now, reply)
+        elif _connection_failure(reply, verdict):
             self.connect_failed(now)
-        elif throttled:
-            self.concurrency.throttled()
-            if self.breaker.state(now) == HALF_OPEN:
-                self.breaker.failure(now)
         elif reply.code:
             self._answered(now)
+
+    def _throttled(self, now: float, reply: Reply) -> None:
+        """Pacing, not a failure of the host: the breaker only hears of it from its probe."""
+        line = reply.line()
+        if _CONNECTIONS.search(reply.text) and self._opening >= 1:
+            self.learner.too_many_connections(self._opening, line)
+        elif self.learner.throttled(now, line):  # once an episode, not once a reply
+            self.concurrency.throttled()
+        if self.breaker.state(now) == HALF_OPEN:
+            self.breaker.failure(now)
 
     def _answered(self, now: float) -> None:
         """The site answered: a half-open breaker closes, and the ramp starts from 1."""
@@ -268,16 +324,22 @@ class DestinationShaper:
         if override is not None and override.until is not None and now >= override.until:
             self._override = override = None
         ceiling = self.pacing.max_connections
-        rate = self.pacing.messages_per_minute
-        if override is not None:
-            if override.concurrency is not None:
-                ceiling = override.concurrency
-            if override.rate_per_minute is not None:
-                rate = override.rate_per_minute
+        if self.learner.concurrency:
+            ceiling = min(ceiling, self.learner.concurrency)
+        if override is not None and override.concurrency is not None:
+            ceiling = override.concurrency  # the operator knows better than what was learned
         factor = self.backoff.rate_factor(now)
         self.concurrency.cap(max(1, math.floor(ceiling * factor)))
-        self._messages.set_rate(rate / 60 * factor, now)
+        self._messages.set_rate(self.learner.limit(self._rate_ceiling()) * factor, now)
         self._connections.set_rate(self.pacing.connections_per_minute / 60 * factor, now)
+
+    def _rate_ceiling(self) -> float:
+        """Messages a second the learned rate may not pass: an operator's, else the
+        configured one; 0: none."""
+        override = self._override
+        if override is not None and override.rate_per_minute is not None:
+            return override.rate_per_minute / 60
+        return self.pacing.messages_per_minute / 60
 
 
 def _connection_failure(reply: Reply, verdict: Verdict) -> bool:
