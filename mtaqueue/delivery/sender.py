@@ -14,10 +14,11 @@ import msgspec
 from .. import config
 from ..logs import get_logger
 from ..model import Message
-from ..policy.classify import HOST, Rule, classify
+from ..policy.classify import DELIVERED, HOST, THROTTLING, Rule, classify
 from ..policy.hosts import HostSuspensions, host_key
 from ..policy.replies import Reply
 from ..policy.settle import Result
+from ..policy.shaper import REFUSALS_PER_CONNECTION
 from ..routing.resolver import Route
 from ..smtp.client import ClientSettings, ConnectFailed, SmtpConnection
 
@@ -68,6 +69,7 @@ class Sender:
         if conn is not None and not (
             conn.usable
             and conn.transactions < max_per_connection
+            and conn.refusals < REFUSALS_PER_CONNECTION
             and any(conn.ip in h.addresses for h in hosts)
         ):
             await conn.quit()
@@ -86,6 +88,8 @@ class Sender:
                 opened = await self._connect(host.name, ip, route.port)
                 if isinstance(opened, Reply):
                     last, last_host, conn = opened, host.name, None
+                    if self._throttling(opened):
+                        break  # the destination paces us: no host failed, and none is next
                     outcome.connect_failures += 1
                     continue
                 conn = opened
@@ -136,9 +140,13 @@ class Sender:
                 except ConnectFailed as again:
                     failed = again
             verdict = classify(failed.reply, self.rules)
-            if verdict.scope in ("host", "destination"):
+            if verdict.scope in ("host", "destination") and verdict.kind != THROTTLING:
                 self._suspend(host, port, ip, failed.reply)
             return failed.reply
+
+    def _throttling(self, reply: Reply) -> bool:
+        """A greeting such as "421 4.7.0 Error: too many connections from ...": pacing."""
+        return classify(reply, self.rules).kind == THROTTLING
 
     async def _transaction(
         self, conn: SmtpConnection, message: Message, indexes: list[int], content: bytes
@@ -154,6 +162,7 @@ class Sender:
                 self.result(i, reply, conn.host, conn.ip, relayed=not conn.dsn)
                 for i, reply in zip(pending, replies, strict=True)
             ]
+            _count_refusals(conn, outcomes)
             again = [r.index for r in outcomes if r.verdict.kind == "too_many_recipients"]
             if not again or len(again) == len(pending) or not conn.usable:
                 return results + outcomes
@@ -172,3 +181,12 @@ class Sender:
     ) -> Result:
         verdict = classify(reply, self.rules, ambiguous_policy=self.delivery.ambiguous)
         return Result(index, reply, verdict, host, ip, dsn_relayed=relayed)
+
+
+def _count_refusals(conn: SmtpConnection, results: list[Result]) -> None:
+    """4xx replies since the connection last delivered (a strict receiver's error tarpit,
+    Postfix's smtpd_soft_error_limit, slows and then drops a session that draws many)."""
+    if any(r.verdict.outcome == DELIVERED for r in results):
+        conn.refusals = 0
+    else:
+        conn.refusals += len({id(r.reply) for r in results if r.reply.code // 100 == 4})

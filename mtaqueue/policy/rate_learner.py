@@ -263,3 +263,18 @@ class RateLearner:
             fresh = Learned(SLOW_START, at=now) if current is None else current
             self.rate, self.good, self.concurrency = fresh.rate, fresh.good, fresh.concurrency
         self._at = max(self._at, now)
+
+
+class _Saved(msgspec.Struct):
+    destinations: dict[str, Learned]
+    version: int = 1
+
+
+def encode(learned: dict[str, Learned]) -> bytes:
+    """The state file's content (spool/statefile.py writes it)."""
+    return msgspec.json.encode(_Saved(dict(sorted(learned.items()))))
+
+
+def decode(data: bytes) -> dict[str, Learned]:
+    """Raises msgspec.DecodeError (a subclass of ValueError) for a damaged file."""
+    return msgspec.json.decode(data, type=_Saved).destinations

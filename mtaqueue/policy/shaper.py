@@ -54,6 +54,10 @@ from .replies import PHASES, Reply
 from .throttle import BackoffMode, ThrottleRules
 
 _MAIL = PHASES.index("mail")
+# 4xx replies on one connection since it last delivered before it is closed rather than
+# used again: a strict receiver tarpits a session past a few (Postfix sleeps a second per
+# reply after smtpd_soft_error_limit, 10, and hangs up at the hard limit, 20).
+REFUSALS_PER_CONNECTION = 3
 # A connection cap ("421 4.7.0 Error: too many connections from 192.0.2.1", "Too many
 # concurrent SMTP connections"): the concurrency is learned, not the rate.
 _CONNECTIONS = re.compile(r"too many (?:\w+ ){0,2}connections|connection (?:limit|count)", re.I)
