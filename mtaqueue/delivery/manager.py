@@ -604,7 +604,7 @@ class DeliveryManager:
             # One signal per reply, not per recipient: a 421 after DATA for 50 recipients
             # is one throttle signal, not fifty.
             for result in {id(r.reply): r for r in outcome.results}.values():
-                shaper.result(now, result.reply, result.verdict)
+                shaper.result(now, result.reply, result.verdict, destination.active)
                 destination.record(now, result.reply)
         for change in shaper.changes():
             rate = change.what == "rate"  # logged per minute, as configured

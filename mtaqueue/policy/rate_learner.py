@@ -16,8 +16,9 @@ kept for people:
   Signals during the cool-down are replies of the same episode (already in flight): one
   signal. A signal before REPEAT deliveries went through after a cool-down (the site is
   still unhappy) doubles the next one, up to COOLDOWN_MAX.
-- Then it recovers by RECOVER times a round up to NEAR the good rate, and probes above it by
-  PROBE_STEP of it every PROBE_EVERY deliveries: slowly, so that one episode costs a few
+- Then it recovers by RECOVER times a round up to NEAR the good rate, closes in on it by
+  a quarter of the distance (at least PROBE_STEP of it) every PROBE_EVERY deliveries and
+  PROBE_SECONDS, and probes above it by PROBE_STEP: slowly, so that one episode costs a few
   replies per several hundred messages. Past the good rate each step doubles (up to
   STRIDE_MAX times PROBE_STEP), as TCP CUBIC leaves the last known limit: a limit that
   was lifted, or measured low, is found again soon. An episode that finds the same limit
@@ -178,9 +179,10 @@ class RateLearner:
         else:
             self._set_rate(min(self.rate * RECOVER, NEAR * self.good), ceiling, self.rate_reply)
 
-    def throttled(self, now: float, reply: str) -> bool:
+    def throttled(self, now: float, reply: str, *, rate: bool = True) -> bool:
         """A throttle signal: pause, and cut the rate to BETA x the acceptance measured
-        just before. False when it belongs to the episode already being cooled down."""
+        just before (unless `rate` is False: a connection refused as one too many says
+        nothing of the rate). False when it belongs to the episode already cooled down."""
         self._wake(now)
         if now < self.paused_until:
             return False
@@ -188,6 +190,17 @@ class RateLearner:
             self._cooldown = min(self._cooldown * 2, COOLDOWN_MAX)
         else:
             self._cooldown = COOLDOWN
+        self.paused_until = now + self._cooldown
+        self._resumed = 0
+        if rate:
+            self._cut(now, reply)
+        # The measurement and the rounds start over when sending resumes.
+        self._since = self._round_at = self._probe_at = self.paused_until
+        self._round_sent = self._probe_count = 0
+        self._deliveries.clear()
+        return True
+
+    def _cut(self, now: float, reply: str) -> None:
         measured = self.accepted(now)
         good = min(self.rate, measured) if measured else self.rate * BETA
         if not self.good:
@@ -195,16 +208,8 @@ class RateLearner:
         if self.good and abs(good - self.good) <= SAME * self.good:
             self._patience = min(self._patience * 2, PATIENCE_MAX)
         self.good = good
-        self.paused_until = now + self._cooldown
-        self._resumed = 0
         self._set_rate(max(MIN_RATE, BETA * good), 0.0, reply)
-        # The measurement and the rounds start over when sending resumes.
-        self._since = self._round_at = self.paused_until
-        self._round_sent = self._probe_count = 0
-        self._probe_at = self.paused_until
         self._stride = 1
-        self._deliveries.clear()
-        return True
 
     def too_many_connections(self, working: int, reply: str) -> None:
         """One more connection than `working` was refused: the cap, remembered."""
@@ -245,7 +250,10 @@ class RateLearner:
         self._probe_count, self._probe_at = 0, now
         if self.rate >= self.good:
             self._stride = min(self._stride * 2, STRIDE_MAX)
-        self._set_rate(self.rate + PROBE_STEP * self.good * self._stride, ceiling, self.rate_reply)
+            step = PROBE_STEP * self.good * self._stride
+        else:  # a quarter of the way to the known limit: small steps as it comes near
+            step = max(PROBE_STEP * self.good, (self.good - self.rate) / 4)
+        self._set_rate(self.rate + step, ceiling, self.rate_reply)
 
     def _set_rate(self, rate: float, ceiling: float, reply: str) -> None:
         old = self.rate

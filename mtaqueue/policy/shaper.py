@@ -59,7 +59,7 @@ _MAIL = PHASES.index("mail")
 # reply after smtpd_soft_error_limit, 10, and hangs up at the hard limit, 20).
 REFUSALS_PER_CONNECTION = 3
 # A connection cap ("421 4.7.0 Error: too many connections from 192.0.2.1", "Too many
-# concurrent SMTP connections"): the concurrency is learned, not the rate.
+# concurrent SMTP connections"): the concurrency is learned, besides the rate.
 _CONNECTIONS = re.compile(r"too many (?:\w+ ){0,2}connections|connection (?:limit|count)", re.I)
 
 
@@ -111,7 +111,6 @@ class DestinationShaper:
         self._messages = TokenBucket(pacing.messages_per_minute / 60, pacing.burst, now)
         self._override: _Override | None = None
         self.learner = RateLearner(now, learned)
-        self._opening = 0  # connections open when the last one was admitted
 
     # -- admission ---------------------------------------------------------------------
 
@@ -124,10 +123,7 @@ class DestinationShaper:
         breaker = self.breaker.wait(now)
         if breaker == math.inf or not self._room(active, reserved, first_class):
             return math.inf
-        wait = max(breaker, self._connections.wait(now), self.learner.wait(now))
-        if wait == 0.0:
-            self._opening = active  # what worked, should this one be refused as one too many
-        return wait
+        return max(breaker, self._connections.wait(now), self.learner.wait(now))
 
     def keeps(self, now: float, active: int, reserved: int, first_class: bool) -> bool:
         """Whether an open connection (counted in `active`, and in `reserved` if it is a
@@ -159,15 +155,17 @@ class DestinationShaper:
         self.breaker.failure(now)
         self.concurrency.throttled()
 
-    def result(self, now: float, reply: Reply, verdict: Verdict) -> None:
-        """What a connection or transaction got (one call per reply that settled mail)."""
+    def result(self, now: float, reply: Reply, verdict: Verdict, active: int = 1) -> None:
+        """What a connection or transaction got (one call per reply that settled mail);
+        `active` counts the connections open to the destination, this one included: if
+        it was refused as one too many, the others are what worked."""
         if verdict.outcome == DELIVERED and reply.code:  # not a lost reply taken as delivered
             self.concurrency.success()
             self.backoff.success(now)
             self.learner.delivered(now, self._rate_ceiling())
             self._answered(now)
         else:
-            self._failed(now, reply, verdict)
+            self._failed(now, reply, verdict, active)
         self._apply(now)
 
     def latency(self, now: float, seconds: float) -> None:
@@ -293,23 +291,26 @@ class DestinationShaper:
             return active < limit
         return active < limit and active - reserved < max(1, limit - self.pacing.reserved_p0)
 
-    def _failed(self, now: float, reply: Reply, verdict: Verdict) -> None:
+    def _failed(self, now: float, reply: Reply, verdict: Verdict, active: int) -> None:
         rule_hit = self.rules.hit(reply.line(), now)
         if rule_hit:
             self.backoff.signal(now)  # the site's own rule asks for backoff mode
         if rule_hit or (verdict.kind == THROTTLING and verdict.scope != RECIPIENT):
-            self._throttled(now, reply)
+            self._throttled(now, reply, active)
         elif _connection_failure(reply, verdict):
             self.connect_failed(now)
         elif reply.code:
             self._answered(now)
 
-    def _throttled(self, now: float, reply: Reply) -> None:
-        """Pacing, not a failure of the host: the breaker only hears of it from its probe."""
+    def _throttled(self, now: float, reply: Reply, active: int) -> None:
+        """Pacing, not a failure of the host: the breaker only hears of it from its probe.
+        A refused connection teaches the concurrency, not the rate; it pauses all the
+        same, since a strict site lists a client that goes on after any 421."""
         line = reply.line()
-        if _CONNECTIONS.search(reply.text) and self._opening >= 1:
-            self.learner.too_many_connections(self._opening, line)
-        elif self.learner.throttled(now, line):  # once an episode, not once a reply
+        too_many = _CONNECTIONS.search(reply.text) is not None and active > 1
+        if too_many:
+            self.learner.too_many_connections(active - 1, line)
+        if self.learner.throttled(now, line, rate=not too_many):  # once an episode
             self.concurrency.throttled()
         if self.breaker.state(now) == HALF_OPEN:
             self.breaker.failure(now)

@@ -1,0 +1,88 @@
+"""Destinations that learn their limits, end to end: the daemon with the shipped shaping
+defaults (nothing about the provider) against a strict synthetic provider: a per-client
+message rate answered 421 4.7.28, a connection cap answered 421 4.7.0 "Too many concurrent
+SMTP connections", and a blocklist for a client that keeps sending after a 421."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from dns_server import DnsServer
+from e2e_helpers import BODY, FAST, events, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from synthetic_peer import SyntheticPeer
+
+RATE = 10  # messages a second the provider takes from one client IP
+CONNECTIONS = 3
+MESSAGES = 200
+
+
+def throttle_replies(report: dict) -> int:
+    return sum(n for key, n in report["replies"].items() if key.startswith("421"))
+
+
+def test_a_strict_provider_is_learned_politely_and_remembered(start_daemon):
+    peer = SyntheticPeer(
+        ["127.0.0.2:0"],
+        rate=(RATE, 1.0),
+        max_connections=CONNECTIONS,
+        blocklist_after=5,  # more than 5 MAILs within 2 s of a 421: blocklisted
+        blocklist_window=2.0,
+        blocklist_for=600.0,
+    )
+    dns = DnsServer().start()
+    try:
+        peer.start()
+        dns.add("example.org", "MX", "10 mx.example.org")
+        dns.add("mx.example.org", "A", "127.0.0.2")
+        overrides = (f'dns.nameservers=["{dns.address}"]', f"delivery.port={peer.port}", *FAST)
+        # A backlog queued while the provider was out of reach, then flushed at once.
+        daemon = start_daemon(*overrides, "delivery.enabled=false")
+        for i in range(MESSAGES):
+            daemon.send("app@sender.test", [f"u{i}@example.org"], BODY)
+        assert daemon.stop() == 0
+        daemon.overrides.append("delivery.enabled=true")
+        started = time.monotonic()
+        daemon.start()
+        wait_for(lambda: not daemon.messages(), timeout=150, what="the backlog to drain")
+        drain = time.monotonic() - started
+        report = peer.report()
+
+        assert report["messages"]["accepted"] == MESSAGES
+        assert report["blocklist"]["listings"] == 0
+        assert report["reply_classes"]["5xx"] == 0
+        # It learned the rate and the connection cap from a few throttle replies...
+        assert throttle_replies(report) <= 12, report["replies"]
+        assert report["connections"]["max_concurrent_per_client"] <= CONNECTIONS + 1
+        assert drain <= 3 * MESSAGES / RATE, drain
+        # ... and never took a throttling greeting for a broken host (its only MX).
+        assert not events(daemon, "host_suspended")
+        # (The connections that worked when one more was refused, as we count them: the
+        # provider may still count one that is closing.)
+        learned = [e for e in events(daemon, "limit_learned") if e["what"] == "concurrency"]
+        assert learned and CONNECTIONS <= learned[-1]["new"] <= CONNECTIONS + 1
+        (dest,) = (json.loads(daemon.ctl("domains", "--json").stdout.splitlines()[0]),)
+        lesson = dest["learned"]
+        assert lesson["rate_reply"].startswith("421 4.7.28")
+        assert lesson["concurrency"] == learned[-1]["new"]
+        assert lesson["rate_per_minute"] <= 1.3 * RATE * 60  # converged near the limit
+
+        # What it learned survives a restart: the next mail goes at that rate, not the
+        # slow start, and with the cap.
+        assert daemon.stop() == 0
+        daemon.start()
+        daemon.send("app@sender.test", ["again@example.org"], BODY)
+        wait_for(lambda: not daemon.messages(), timeout=30, what="the mail after the restart")
+        (dest,) = (json.loads(daemon.ctl("domains", "--json").stdout.splitlines()[0]),)
+        after = dest["learned"]
+        assert after["rate_reply"] == lesson["rate_reply"]
+        assert after["concurrency"] == lesson["concurrency"]
+        assert after["rate_per_minute"] >= 0.9 * lesson["rate_per_minute"]
+        assert after["rate_per_minute"] != 120.0  # not the slow start
+    finally:
+        peer.stop()
+        dns.stop()
