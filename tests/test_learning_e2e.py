@@ -67,7 +67,9 @@ def test_a_strict_provider_is_learned_politely_and_remembered(start_daemon):
         assert learned and CONNECTIONS <= learned[-1]["new"] <= CONNECTIONS + 1
         (dest,) = (json.loads(daemon.ctl("domains", "--json").stdout.splitlines()[0]),)
         lesson = dest["learned"]
-        assert lesson["rate_reply"].startswith("421 4.7.28")
+        # Taught by a 421 4.7.28 (or, on a loaded machine, by a latency far over its
+        # baseline: the other throttle signal).
+        assert lesson["rate_reply"].startswith(("421 4.7.28", "latency"))
         assert lesson["concurrency"] == learned[-1]["new"]
         assert lesson["rate_per_minute"] <= 1.3 * RATE * 60  # converged near the limit
 

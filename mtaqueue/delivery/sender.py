@@ -80,16 +80,20 @@ class Sender:
         candidates = [(h, ip) for h in hosts for ip in h.addresses]
         if conn is not None:  # the open connection first
             candidates.sort(key=lambda c: c[1] != conn.ip)
-        for host, ip in candidates:
+        for n, (host, ip) in enumerate(candidates):
             if conn is None or conn.ip != ip:
                 if conn is not None:
                     await conn.quit()
                 started = time.monotonic()
-                opened = await self._connect(host.name, ip, route.port)
+                # A throttling greeting from the last host is the destination pacing us:
+                # it suspends no host (the only MX would stop all delivery) and is no
+                # connection failure. From one of several, the next is tried as usual.
+                last_one = all(h.name == host.name for h, _ in candidates[n + 1 :])
+                opened = await self._connect(host.name, ip, route.port, last_one)
                 if isinstance(opened, Reply):
                     last, last_host, conn = opened, host.name, None
-                    if self._throttling(opened):
-                        break  # the destination paces us: no host failed, and none is next
+                    if last_one and self._throttling(opened):
+                        break
                     outcome.connect_failures += 1
                     continue
                 conn = opened
@@ -130,7 +134,9 @@ class Sender:
         text = reason.text if reason.code else reason.line().removeprefix(reason.enhanced)
         return msgspec.structs.replace(reason, text=f"{text.strip()} {note}")
 
-    async def _connect(self, host: str, ip: str, port: int) -> SmtpConnection | Reply:
+    async def _connect(
+        self, host: str, ip: str, port: int, last_one: bool
+    ) -> SmtpConnection | Reply:
         try:
             return await SmtpConnection.open(host, ip, port, self.client)
         except ConnectFailed as failed:
@@ -140,12 +146,13 @@ class Sender:
                 except ConnectFailed as again:
                     failed = again
             verdict = classify(failed.reply, self.rules)
-            if verdict.scope in ("host", "destination") and verdict.kind != THROTTLING:
+            paced = last_one and verdict.kind == THROTTLING
+            if verdict.scope in ("host", "destination") and not paced:
                 self._suspend(host, port, ip, failed.reply)
             return failed.reply
 
     def _throttling(self, reply: Reply) -> bool:
-        """A greeting such as "421 4.7.0 Error: too many connections from ...": pacing."""
+        """Such as "421 4.7.0 Error: too many connections from ..." at the greeting."""
         return classify(reply, self.rules).kind == THROTTLING
 
     async def _transaction(
