@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from dns_server import DnsServer
-from e2e_helpers import BODY, FAST, events, wait_for
+from e2e_helpers import BODY, FAST, MailNet, events, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from synthetic_peer import SyntheticPeer
@@ -88,3 +89,26 @@ def test_a_strict_provider_is_learned_politely_and_remembered(start_daemon):
     finally:
         peer.stop()
         dns.stop()
+
+
+def test_a_connection_is_not_spent_on_refusals(start_daemon):
+    """A strict receiver tarpits a session that keeps drawing 4xx (Postfix: a second per
+    reply after 10, a hang-up after 20): a greylisted wave is spread over connections of
+    at most 3 refusals each instead of being fed to one."""
+    with MailNet(["127.0.0.2"]) as net:
+        (peer,) = net.peers
+        net.add_domain("example.org", "127.0.0.2")
+        peer.on("rcpt", "450 4.2.0 <u@example.org>: Recipient address rejected: Greylisted")
+        daemon = start_daemon(*net.daemon_overrides(), *FAST, "delivery.enabled=false")
+        for i in range(9):
+            daemon.send("app@sender.test", [f"u{i}@example.org"], BODY)
+        assert daemon.stop() == 0
+        daemon.overrides.append("delivery.enabled=true")
+        daemon.start()
+        wait_for(
+            lambda: len([e for e in events(daemon, "delivery") if e["code"] == 450]) >= 9,
+            what="the greylisted wave",
+        )
+        refusals = Counter(e.connection for e in list(peer.log) if e.reply.startswith("450"))
+        assert sum(refusals.values()) >= 9
+        assert max(refusals.values()) <= 3, refusals
