@@ -112,3 +112,18 @@ def test_a_connection_is_not_spent_on_refusals(start_daemon):
         refusals = Counter(e.connection for e in list(peer.log) if e.reply.startswith("450"))
         assert sum(refusals.values()) >= 9
         assert max(refusals.values()) <= 3, refusals
+
+
+def test_a_damaged_state_file_only_means_learning_again(start_daemon):
+    with MailNet(["127.0.0.2"]) as net:
+        net.add_domain("example.org", "127.0.0.2")
+        daemon = start_daemon(*net.daemon_overrides(), *FAST, "delivery.enabled=true")
+        assert daemon.stop() == 0
+        (daemon.spool / "learned.json").write_bytes(b'{"destinations": {"mx.exa')
+        daemon.start()
+        daemon.wait_event("learned_unreadable")
+        daemon.send("app@sender.test", ["a@example.org"], BODY)
+        wait_for(lambda: not daemon.messages(), what="delivery")
+        assert daemon.stop() == 0  # and at stop the state is written anew
+        saved = json.loads((daemon.spool / "learned.json").read_bytes())
+        assert list(saved["destinations"]) == [f"mx.example.org:{net.peers[0].port}"]

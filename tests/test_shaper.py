@@ -274,8 +274,8 @@ def test_a_bounce_shows_the_site_answering():
 
 def test_too_many_connections_at_the_greeting_caps_concurrency_not_the_host():
     shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=8))
-    assert shaper.connect_wait(0.0, 3, 0, first_class=False) == 0  # the 4th is refused:
-    report(shaper, 0.0, TOO_MANY, times=5)
+    for _ in range(5):  # the 4th refused (4 open, this one included), in one episode
+        shaper.result(0.0, TOO_MANY, classify(TOO_MANY), active=4)
     snap = shaper.snapshot(0.0)
     assert (snap["mode"], snap["circuit"], snap["limit"], snap["max"]) == (
         "normal",
@@ -285,8 +285,18 @@ def test_too_many_connections_at_the_greeting_caps_concurrency_not_the_host():
     )
     assert snap["learned"]["concurrency"] == 3
     assert snap["learned"]["concurrency_reply"] == TOO_MANY.line()
-    assert shaper.send_wait(0.0) == 0  # the connections that work go on
+    # The rate is as it was; the refusal pauses (strict sites list a client that goes on).
+    assert snap["messages_per_minute"] == pytest.approx(120)
+    assert shaper.send_wait(0.0) == pytest.approx(5.0)
     assert shaper.learned().concurrency == 3  # remembered
+
+
+def test_a_throttle_rule_hit_is_a_throttle_signal():
+    rule = ThrottleRule(match="(?i)temporarily deferred", threshold=1)
+    shaper = shaper_at(throttle_rules=[rule])
+    report(shaper, 0.0, Reply("mail", 451, "4.3.0", "Temporarily deferred"))
+    assert shaper.snapshot(0.0)["learned"]["phase"] == "paused"
+    assert shaper.send_wait(0.0) > 0
 
 
 def test_a_refused_421_greeting_with_nothing_open_paces_without_tripping():
@@ -337,7 +347,12 @@ def test_silent_throttling_cuts_concurrency():
     assert shaper.concurrency.limit == 8
     shaper.latency(6.0, 2.0)
     assert shaper.concurrency.limit == 4
-    assert shaper.snapshot(6.0)["mode"] == "normal"  # a cut, not backoff mode
+    snap = shaper.snapshot(6.0)
+    assert snap["mode"] == "normal"  # a cut, not backoff mode
+    # ... and a throttle signal for the learned rate: a pause and a cut.
+    assert snap["learned"]["phase"] == "paused"
+    assert snap["learned"]["rate_reply"].startswith("latency 2.000s over a 0.")
+    assert snap["messages_per_minute"] < 120
 
 
 # -- release after a reopening ---------------------------------------------------------------

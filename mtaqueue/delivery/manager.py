@@ -93,8 +93,9 @@ class DeliveryManager:
         self._closing = False
         # What destinations taught (rate_learner.Learned by destination key): loaded at
         # start, given to each destination when it appears, saved every EXPIRY_CHECK.
-        self._learned = self._load_learned()
+        self._learned: dict[str, rate_learner.Learned] = {}
         self._saved = b""
+        self._started = False  # not started (delivery.enabled = false): nothing to save
 
     def reconfigure(self, cfg: config.Config) -> None:
         """Take new settings (start, or a reload): may raise ConfigError before changing
@@ -152,6 +153,8 @@ class DeliveryManager:
     def start(self) -> None:
         """Schedule the queue and run. Due times survive restarts; mail that became due
         meanwhile is spread over retry.restart_spread, except the first class (p0)."""
+        self._learned = self._load_learned()
+        self._started = True
         now = time.time()
         spread = self.cfg.retry.restart_spread
         for message in self.spool.messages.values():
@@ -174,7 +177,8 @@ class DeliveryManager:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._save_learned(self._learned_data(time.time()))
+        if self._started:
+            self._save_learned(self._learned_data(time.time()))
 
     def on_accepted(self, message: Message) -> None:
         """A new message is durable: due now."""

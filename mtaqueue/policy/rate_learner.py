@@ -16,15 +16,16 @@ kept for people:
   Signals during the cool-down are replies of the same episode (already in flight): one
   signal. A signal before REPEAT deliveries went through after a cool-down (the site is
   still unhappy) doubles the next one, up to COOLDOWN_MAX.
-- Then it recovers by RECOVER times a round up to NEAR the good rate, closes in on it by
-  a quarter of the distance (at least PROBE_STEP of it) every PROBE_EVERY deliveries and
-  PROBE_SECONDS, and probes above it by PROBE_STEP: slowly, so that one episode costs a few
-  replies per several hundred messages. Past the good rate each step doubles (up to
-  STRIDE_MAX times PROBE_STEP), as TCP CUBIC leaves the last known limit: a limit that
-  was lifted, or measured low, is found again soon. An episode that finds the same limit
-  again (within SAME) makes the next probe twice as patient (up to PATIENCE_MAX), in
-  deliveries and in seconds (PROBE_SECONDS): the plateau is known.
-- "Too many connections" caps the concurrency at the connections that worked.
+- Then it recovers by RECOVER times a round up to NEAR the good rate, closes in on it by a
+  quarter of the distance (at least PROBE_STEP of it) every PROBE_EVERY deliveries and
+  PROBE_SECONDS (PROBE_SLOW at most), and probes above it by PROBE_STEP: slowly, so that
+  one episode costs a few replies per several hundred messages. Past the good rate each
+  step doubles (up to STRIDE_MAX times PROBE_STEP), as TCP CUBIC leaves the last known
+  limit: a limit that was lifted, or measured low, is found again soon. An episode that
+  finds the same limit again (within SAME) makes the next probe twice as patient (up to
+  PATIENCE_MAX), in deliveries and in seconds (PROBE_SECONDS): the plateau is known.
+- "Too many connections" caps the concurrency at the connections that worked (the shaper
+  says how many) and pauses, without a cut: it says nothing of the rate.
 - The rate never passes the configured ceiling (`messages_per_minute`, an operator's
   limit); a ceiling of 0 means none, not no pacing.
 
@@ -49,7 +50,8 @@ RECOVER = 1.25  # per round while under NEAR x good
 NEAR = 0.85
 PROBE_STEP = 0.01  # of the good rate, per step above NEAR x good
 PROBE_EVERY = 30  # deliveries per probe step, and
-PROBE_SECONDS = 2.0  # seconds per probe step (both times the patience)
+PROBE_SECONDS = 2.0  # seconds per probe step (both times the patience); but a slow
+PROBE_SLOW = 10.0  # destination steps after this long, however few it delivered
 STRIDE_MAX = 16  # past the good rate, steps double up to this many PROBE_STEPs
 SAME = 0.15  # a limit found again within this share is the same plateau
 PATIENCE_MAX = 8  # at most this many times PROBE_EVERY
@@ -243,9 +245,10 @@ class RateLearner:
 
     def _probe(self, now: float, ceiling: float) -> None:
         self._probe_count += 1
-        if self._probe_count < PROBE_EVERY * self._patience:
+        elapsed = now - self._probe_at
+        if elapsed < PROBE_SECONDS * self._patience:
             return
-        if now - self._probe_at < PROBE_SECONDS * self._patience:
+        if self._probe_count < PROBE_EVERY * self._patience and elapsed < PROBE_SLOW:
             return
         self._probe_count, self._probe_at = 0, now
         if self.rate >= self.good:
