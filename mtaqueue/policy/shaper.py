@@ -1,36 +1,41 @@
-"""One destination's pacing: rate buckets, adaptive concurrency, backoff mode and a circuit
-breaker, composed. The queue manager asks before it opens a connection or sends a message
-and reports what happened; waiting here is pacing, not a failed attempt (the caller does
-not climb the retry ladder for it). The global rate cap (delivery.max_rate) is the
-manager's own `TokenBucket`, not this.
+"""One destination's pacing: a learned rate (rate_learner.py), rate buckets, adaptive
+concurrency, backoff mode and a circuit breaker, composed. The queue manager asks before it
+opens a connection or sends a message and reports what happened; waiting here is pacing, not
+a failed attempt (the caller does not climb the retry ladder for it). The global rate cap
+(delivery.max_rate) is the manager's own `TokenBucket`, not this.
 
 Admission rules:
 - A new connection needs the breaker's leave (closed, or the one half-open probe), a free
-  slot, and a token of the connections_per_minute bucket.
+  slot, a token of the connections_per_minute bucket, and no throttle cool-down.
 - Slots: every connection counts against the adaptive limit L. Ordinary connections take
   any class (the queue pops first-class mail first) and may number max(1, L - reserved_p0);
   the rest of L is for connections that take first-class work only, opened when such work
   waits and the ordinary ones are all busy. The floor of 1 keeps bulk moving when L is 1.
   An open connection keeps working while it would be admitted again: when L drops, the
   connections over it close as they finish their message.
-- A message needs a token of the messages_per_minute bucket. An open breaker stops new
-  connections only: one already open may finish its work.
+- A message needs a token of the message bucket and no throttle cool-down (which holds
+  every connection of the destination at once). An open breaker stops new connections
+  only: one already open may finish its work.
 
-Ceilings and rates: the concurrency ceiling is max_connections (or an operator's
-concurrency), the message rate messages_per_minute (or an operator's rate); in backoff
-stage s the ceiling, both rates and the retry intervals are scaled by the backoff factors
-to the power s (ceiling floor 1). An unlimited rate (0) stays unlimited in backoff: the
-ceiling and the concurrency cuts slow such a destination down.
+Ceilings and rates: the concurrency ceiling is max_connections capped by a learned
+"too many connections" (an operator's concurrency replaces both); the message bucket runs
+at the learned rate under messages_per_minute (or an operator's rate; 0: no ceiling, the
+learned rate still paces). In backoff stage s the ceiling, both rates and the retry
+intervals are scaled by the backoff factors to the power s (ceiling floor 1).
 
 Feedback rules (`result`):
 - Delivered (a real 2xx, not a lost reply taken as delivered): a success for
-  concurrency, backoff mode and breaker.
+  concurrency, backoff mode, breaker and the learned rate.
 - Throttling: a reply classified as throttling for the site (recipient-scoped throttling,
   such as Gmail's per-mailbox 4.2.1, is that mailbox's business), or a throttle rule's
-  threshold reached: backoff signal and concurrency cut.
-- Connection failure: a transient failure before MAIL FROM (refused, timeout, 421 or 4xx
-  greeting, EHLO, STARTTLS; not a DNS failure), or a timeout in any phase: breaker failure
-  and concurrency cut (one cut if it is also throttling).
+  threshold reached, or latency far over the baseline: a throttle signal for the learned
+  rate (a cool-down and a cut; "too many connections" caps the concurrency instead of
+  cutting the rate), and a concurrency cut once per episode. Only a rule's hit puts the
+  destination in backoff mode (longer retries); a throttling reply is pacing, never a
+  breaker failure, except from the half-open probe.
+- Connection failure: a transient failure before MAIL FROM that is not throttling
+  (refused, timeout, a 4xx greeting, EHLO, STARTTLS; not a DNS failure), or a timeout in
+  any phase: breaker failure and concurrency cut.
 - Any other reply shows the site answering: it closes a half-open breaker, unless it is a
   throttle reply (the site is still unhappy: the breaker opens again). When a breaker
   closes, concurrency starts over at 1 and grows with successes.
@@ -226,7 +231,8 @@ class DestinationShaper:
 
     def at_rest(self, now: float) -> bool:
         """Nothing to remember: normal mode, a closed circuit, no operator's limit. (The
-        adaptive concurrency and the buckets start afresh harmlessly.)"""
+        adaptive concurrency and the buckets start afresh harmlessly; the manager keeps
+        what was learned, `learned()`.)"""
         state = self.state(now)
         return state.mode == "normal" and state.circuit == CLOSED and self._override is None
 
