@@ -127,3 +127,19 @@ def test_a_damaged_state_file_only_means_learning_again(start_daemon):
         assert daemon.stop() == 0  # and at stop the state is written anew
         saved = json.loads((daemon.spool / "learned.json").read_bytes())
         assert list(saved["destinations"]) == [f"mx.example.org:{net.peers[0].port}"]
+
+
+def test_a_throttling_greeting_paces_and_suspends_not_the_only_host(start_daemon):
+    with MailNet(["127.0.0.2"]) as net:
+        (peer,) = net.peers
+        net.add_domain("example.org", "127.0.0.2")
+        refusal = "421 4.7.0 mx.example.org Error: too many connections from 127.0.0.1"
+        peer.on("banner", refusal, times=1)
+        daemon = start_daemon(*net.daemon_overrides(), *FAST)
+        daemon.send("app@sender.test", ["a@example.org"], BODY)
+        wait_for(lambda: peer.messages, what="delivery after the refused greeting")
+        assert not events(daemon, "host_suspended")
+        (first, *_) = events(daemon, "delivery")
+        assert (first["code"], first["kind"]) == (421, "throttling")
+        (dest,) = [json.loads(line) for line in daemon.ctl("domains", "--json").stdout.splitlines()]
+        assert (dest["mode"], dest["circuit"], dest["suspended_hosts"]) == ("normal", "closed", {})
