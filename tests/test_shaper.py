@@ -423,6 +423,16 @@ def test_the_learned_rate_stays_under_the_ceiling_and_0_is_none():
     assert shaper.snapshot(0.0)["messages_per_minute"] == pytest.approx(120)  # still paced
 
 
+def test_an_operators_concurrency_replaces_the_learned_cap():
+    shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=8))
+    shaper.result(0.0, TOO_MANY, classify(TOO_MANY), active=3)
+    assert shaper.snapshot(0.0)["max"] == 2
+    shaper.override(0.0, rate_per_minute=None, concurrency=6, until=None)
+    assert shaper.snapshot(0.0)["max"] == 6
+    shaper.override(0.0, rate_per_minute=None, concurrency=None, until=None)
+    assert shaper.snapshot(0.0)["max"] == 2  # what was learned is still there
+
+
 def test_override_refuses_nonsense():
     shaper = shaper_at()
     with pytest.raises(ValueError):
@@ -566,6 +576,14 @@ class Shaper(RuleBasedStateMachine):
             assert wait == pytest.approx(max(snap["reopen_at"] - self.now, cooling))
         elif snap["circuit"] == "closed":
             assert wait == cooling
+
+    @invariant()
+    def a_cool_down_holds_every_connection(self):
+        """While a throttle episode cools down, no message and no connection goes."""
+        cooling = self.shaper.learner.wait(self.now)
+        if cooling:
+            assert self.shaper.send_wait(self.now) >= cooling
+            assert self.shaper.connect_wait(self.now, 0, 0, True) >= cooling
 
     @invariant()
     def sends_never_beat_the_rate(self):
