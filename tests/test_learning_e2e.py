@@ -124,9 +124,10 @@ def test_a_damaged_state_file_only_means_learning_again(start_daemon):
         daemon.wait_event("learned_unreadable")
         daemon.send("app@sender.test", ["a@example.org"], BODY)
         wait_for(lambda: not daemon.messages(), what="delivery")
-        assert daemon.stop() == 0  # and at stop the state is written anew
+        assert daemon.stop() == 0  # and at stop the state is written anew (one message
+        # at the slow start taught nothing worth keeping)
         saved = json.loads((daemon.spool / "learned.json").read_bytes())
-        assert list(saved["destinations"]) == [f"mx.example.org:{net.peers[0].port}"]
+        assert saved == {"destinations": {}, "version": 1}
 
 
 def test_a_throttling_greeting_paces_and_suspends_not_the_only_host(start_daemon):

@@ -153,6 +153,13 @@ def test_what_was_learned_survives_and_decays_after_hours():
     assert (fresh.rate, fresh.good, fresh.concurrency) == (rl.SLOW_START, 0.0, 0)
 
 
+def test_only_lessons_are_kept():
+    assert not rl.kept(Learned(rl.SLOW_START, at=0.0), 1.0)  # a message or two: nothing
+    assert rl.kept(Learned(8.0, at=0.0), 1.0)  # grew: the rate it took
+    assert rl.kept(Learned(rl.SLOW_START, concurrency=2, at=0.0), 1.0)
+    assert not rl.kept(Learned(8.0, 9.0, at=0.0), rl.FORGET)
+
+
 def test_a_long_quiet_spell_in_one_run_decays_too():
     learner = RateLearner(0.0)
     learner.good, learner.rate = 50.0, 40.0

@@ -234,13 +234,11 @@ class DeliveryManager:
 
     def _learned_data(self, now: float) -> bytes:
         """The state file: live destinations' lessons over the remembered ones, without
-        those forgotten by now."""
+        those forgotten by now or that taught nothing."""
         live = {key: d.shaper.learned() for key, d in self.destinations.items()}
         learned = {**self._learned, **live}
         self._learned = {
-            key: lesson
-            for key, lesson in learned.items()
-            if rate_learner.decayed(lesson, now) is not None
+            key: lesson for key, lesson in learned.items() if rate_learner.kept(lesson, now)
         }
         return rate_learner.encode(self._learned)
 

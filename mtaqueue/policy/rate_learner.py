@@ -106,6 +106,15 @@ def decayed(learned: Learned, now: float) -> Learned | None:
     )
 
 
+def kept(learned: Learned, now: float) -> bool:
+    """Whether `learned` is worth saving at `now`: not forgotten yet, and more than a
+    fresh slow start (most destinations get a message or two and never grow)."""
+    current = decayed(learned, now)
+    return current is not None and (
+        current.good > 0 or current.concurrency > 0 or current.rate != SLOW_START
+    )
+
+
 class RateLearner:
     def __init__(self, now: float, learned: Learned | None = None) -> None:
         learned = decayed(learned, now) if learned is not None else None
