@@ -148,8 +148,9 @@ def test_a_scrape_shows_the_queue_the_pacing_and_the_spool():
         assert value(found, "mtaqueue_queue_oldest_age_seconds", **{"class": klass}) == age
     assert value(found, "mtaqueue_destination_connections", destination=GMAIL) == 2
     assert value(found, "mtaqueue_destination_connection_limit", destination=GMAIL) == 2
+    # No rate configured: the learned one, at its slow start (2 a second).
     assert (
-        value(found, "mtaqueue_destination_rate_limit_messages_per_second", destination=GMAIL) == 0
+        value(found, "mtaqueue_destination_rate_limit_messages_per_second", destination=GMAIL) == 2
     )
     assert value(found, "mtaqueue_destination_backoff_stage", destination=GMAIL) == 0
     circuit = "mtaqueue_destination_circuit_state"

@@ -148,7 +148,10 @@ def test_domains_lists_mail_deferred_on_a_suspended_host(provider):
     assert host in ("mx.provider.test", f"mx.provider.test:{provider.mx.port}")  # port or not
     text = daemon.ctl("domains").stdout
     assert "  deferred    p2 1" in text and f"  suspended   {host} until" in text
-    assert "  rates       unlimited messages, unlimited connections" in text
+    # No rate configured: the learned one paces, from the slow start.
+    assert "  rates       120/min messages, unlimited connections" in text
+    assert "  learned     rate 120/min (slow-start, probing)" in text
+    assert "    taught by nothing yet (slow start)" in text
     # After a restart nothing has routed it yet: it is listed by its domain.
     daemon.restart()
     (dest,) = ctl_json(daemon, "domains")
@@ -192,13 +195,13 @@ def test_breaker_opens_then_probes_and_recovers(provider):
     assert len(times) == 4 and times[-1] - times[0] >= 2 * 2 / 3 - 0.1
 
 
-def test_throttling_puts_the_destination_in_backoff(provider):
+def test_throttling_cuts_the_learned_rate_without_backoff_mode(provider):
     provider.mx.on(
         "mail",
         "421 4.7.28 Our system has detected an unusual rate of mail; temporarily rate limited",
         times=2,
     )
-    daemon = provider.daemon("shaping.backoff_duration=1h", 'retry.schedule=["1s"]')
+    daemon = provider.daemon('retry.schedule=["1s"]')
     for i in range(3):
         send_class(daemon, "p1", f"t{i}@example.org")
     throttled = wait_for(
@@ -206,9 +209,16 @@ def test_throttling_puts_the_destination_in_backoff(provider):
         what="a throttling reply",
     )
     assert throttled[0]["outcome"] == "transient"
+    (learned,) = wait_for(
+        lambda: [e for e in events(daemon, "limit_learned") if e["new"] < e["old"]],
+        what="the learned rate cut",
+    )
+    assert learned["what"] == "rate" and learned["reply"].startswith("421 4.7.28")
+    assert learned["new"] < 120  # under the slow start it was sent at
     (dest,) = ctl_json(daemon, "domains")
-    assert dest["mode"] == "backoff" and dest["stage"] >= 1
-    assert dest["limit"] <= 2  # concurrency cut
+    assert dest["mode"] == "normal"  # retries are not stretched
+    assert dest["learned"]["rate_reply"].startswith("421 4.7.28")
+    assert dest["messages_per_minute"] == pytest.approx(dest["learned"]["rate_per_minute"])
     wait_for(lambda: not daemon.messages(), timeout=30, what="delivery after the throttling")
 
 

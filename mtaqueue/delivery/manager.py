@@ -26,6 +26,7 @@ from .. import config
 from ..dsn import notice as dsn_notice
 from ..logs import get_logger
 from ..model import DEFERRED, QUEUED, Message
+from ..policy import rate_learner
 from ..policy.backoff import RetryPolicy, restart_due
 from ..policy.breaker import CLOSED, HALF_OPEN
 from ..policy.buckets import TokenBucket
@@ -47,6 +48,7 @@ from ..routing.nexthop import NextHop, next_hop
 from ..routing.resolver import Resolver, Route, RouteFailure
 from ..smtp.addresses import domain_of
 from ..smtp.client import ClientSettings, SmtpConnection
+from ..spool import statefile
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool
 from .destination import Destination, WorkItem, destination_key, destinations_view
@@ -89,6 +91,11 @@ class DeliveryManager:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Future] = set()
         self._closing = False
+        # What destinations taught (rate_learner.Learned by destination key): loaded at
+        # start, given to each destination when it appears, saved every EXPIRY_CHECK.
+        self._learned: dict[str, rate_learner.Learned] = {}
+        self._saved = b""
+        self._started = False  # not started (delivery.enabled = false): nothing to save
 
     def reconfigure(self, cfg: config.Config) -> None:
         """Take new settings (start, or a reload): may raise ConfigError before changing
@@ -124,7 +131,8 @@ class DeliveryManager:
         pacing = pacing_for(self.cfg.shaping, domain, hosts)
         if pacing != destination.pacing:
             destination.pacing = pacing
-            destination.shaper = DestinationShaper(pacing, self.cfg.shaping, now)
+            learned = destination.shaper.learned()
+            destination.shaper = DestinationShaper(pacing, self.cfg.shaping, now, learned)
         if destination.classes != self.classes:
             items = destination.queue.remove(lambda item: True)
             destination.classes = self.classes
@@ -145,6 +153,8 @@ class DeliveryManager:
     def start(self) -> None:
         """Schedule the queue and run. Due times survive restarts; mail that became due
         meanwhile is spread over retry.restart_spread, except the first class (p0)."""
+        self._learned = self._load_learned()
+        self._started = True
         now = time.time()
         spread = self.cfg.retry.restart_spread
         for message in self.spool.messages.values():
@@ -167,6 +177,8 @@ class DeliveryManager:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._started:
+            self._save_learned(self._learned_data(time.time()))
 
     def on_accepted(self, message: Message) -> None:
         """A new message is durable: due now."""
@@ -208,6 +220,35 @@ class DeliveryManager:
             # bounced, expired) or whose stats window passed are forgotten here.
             for destination in list(self.destinations.values()):
                 self._retire(destination)
+            data = self._learned_data(time.time())
+            if data != self._saved:
+                await asyncio.to_thread(self._save_learned, data)
+
+    def _load_learned(self) -> dict[str, rate_learner.Learned]:
+        try:
+            data = statefile.read(self.spool.layout.learned)
+            return rate_learner.decode(data) if data else {}
+        except (OSError, ValueError) as exc:  # learning starts over: nothing is lost
+            log.warning("learned_unreadable", error=str(exc))
+            return {}
+
+    def _learned_data(self, now: float) -> bytes:
+        """The state file: live destinations' lessons over the remembered ones, without
+        those forgotten by now or that taught nothing."""
+        live = {key: d.shaper.learned() for key, d in self.destinations.items()}
+        learned = {**self._learned, **live}
+        self._learned = {
+            key: lesson for key, lesson in learned.items() if rate_learner.kept(lesson, now)
+        }
+        return rate_learner.encode(self._learned)
+
+    def _save_learned(self, data: bytes) -> None:
+        try:
+            statefile.write_atomic(self.spool.layout.learned, data)
+        except OSError as exc:  # kept in memory; the next sweep tries again
+            log.warning("learned_save_failed", error=str(exc))
+            return
+        self._saved = data
 
     def expire(self, now: float) -> None:
         """Expire mail whose lifetime has passed, whatever it waits for (pacing included)."""
@@ -323,7 +364,7 @@ class DeliveryManager:
     def _new_destination(self, key: str, domain: str, route, now: float) -> Destination:
         shaping = self.cfg.shaping
         pacing = pacing_for(shaping, domain, [h.name for h in route.hosts])
-        shaper = DestinationShaper(pacing, shaping, now)
+        shaper = DestinationShaper(pacing, shaping, now, self._learned.get(key))
         destination = Destination(key, pacing, shaper, self.classes)
         for name in (key, domain):
             if name in self._overrides:
@@ -469,6 +510,7 @@ class DeliveryManager:
         idle = not destination.active and not len(destination.queue)
         quiet = destination.shaper.at_rest(now) and not destination.recent(now)
         if idle and quiet and not self._still_waiting(destination):
+            self._learned[destination.key] = destination.shaper.learned()
             self.destinations.pop(destination.key, None)
 
     def _still_waiting(self, destination: Destination) -> bool:
@@ -564,8 +606,19 @@ class DeliveryManager:
             # One signal per reply, not per recipient: a 421 after DATA for 50 recipients
             # is one throttle signal, not fifty.
             for result in {id(r.reply): r for r in outcome.results}.values():
-                shaper.result(now, result.reply, result.verdict)
+                shaper.result(now, result.reply, result.verdict, destination.active)
                 destination.record(now, result.reply)
+        for change in shaper.changes():
+            rate = change.what == "rate"  # logged per minute, as configured
+            log.info(
+                "limit_learned",
+                destination=destination.key,
+                what=change.what,
+                old=round(change.old * 60, 2) if rate else change.old,
+                new=round(change.new * 60, 2) if rate else change.new,
+                reply=change.reply,
+                probing=shaper.probing(now),
+            )
         after = shaper.state(now)
         if after != before:
             self._changed(destination, before, after, now)

@@ -14,10 +14,11 @@ import msgspec
 from .. import config
 from ..logs import get_logger
 from ..model import Message
-from ..policy.classify import HOST, Rule, classify
+from ..policy.classify import DELIVERED, HOST, THROTTLING, Rule, classify
 from ..policy.hosts import HostSuspensions, host_key
 from ..policy.replies import Reply
 from ..policy.settle import Result
+from ..policy.shaper import REFUSALS_PER_CONNECTION
 from ..routing.resolver import Route
 from ..smtp.client import ClientSettings, ConnectFailed, SmtpConnection
 
@@ -68,6 +69,7 @@ class Sender:
         if conn is not None and not (
             conn.usable
             and conn.transactions < max_per_connection
+            and conn.refusals < REFUSALS_PER_CONNECTION
             and any(conn.ip in h.addresses for h in hosts)
         ):
             await conn.quit()
@@ -78,14 +80,20 @@ class Sender:
         candidates = [(h, ip) for h in hosts for ip in h.addresses]
         if conn is not None:  # the open connection first
             candidates.sort(key=lambda c: c[1] != conn.ip)
-        for host, ip in candidates:
+        for n, (host, ip) in enumerate(candidates):
             if conn is None or conn.ip != ip:
                 if conn is not None:
                     await conn.quit()
                 started = time.monotonic()
-                opened = await self._connect(host.name, ip, route.port)
+                # A throttling greeting from the last host is the destination pacing us:
+                # it suspends no host (the only MX would stop all delivery) and is no
+                # connection failure. From one of several, the next is tried as usual.
+                last_one = all(h.name == host.name for h, _ in candidates[n + 1 :])
+                opened = await self._connect(host.name, ip, route.port, last_one)
                 if isinstance(opened, Reply):
                     last, last_host, conn = opened, host.name, None
+                    if last_one and self._throttling(opened):
+                        break
                     outcome.connect_failures += 1
                     continue
                 conn = opened
@@ -126,7 +134,9 @@ class Sender:
         text = reason.text if reason.code else reason.line().removeprefix(reason.enhanced)
         return msgspec.structs.replace(reason, text=f"{text.strip()} {note}")
 
-    async def _connect(self, host: str, ip: str, port: int) -> SmtpConnection | Reply:
+    async def _connect(
+        self, host: str, ip: str, port: int, last_one: bool
+    ) -> SmtpConnection | Reply:
         try:
             return await SmtpConnection.open(host, ip, port, self.client)
         except ConnectFailed as failed:
@@ -136,9 +146,14 @@ class Sender:
                 except ConnectFailed as again:
                     failed = again
             verdict = classify(failed.reply, self.rules)
-            if verdict.scope in ("host", "destination"):
+            paced = last_one and verdict.kind == THROTTLING
+            if verdict.scope in ("host", "destination") and not paced:
                 self._suspend(host, port, ip, failed.reply)
             return failed.reply
+
+    def _throttling(self, reply: Reply) -> bool:
+        """Such as "421 4.7.0 Error: too many connections from ..." at the greeting."""
+        return classify(reply, self.rules).kind == THROTTLING
 
     async def _transaction(
         self, conn: SmtpConnection, message: Message, indexes: list[int], content: bytes
@@ -154,6 +169,7 @@ class Sender:
                 self.result(i, reply, conn.host, conn.ip, relayed=not conn.dsn)
                 for i, reply in zip(pending, replies, strict=True)
             ]
+            _count_refusals(conn, outcomes)
             again = [r.index for r in outcomes if r.verdict.kind == "too_many_recipients"]
             if not again or len(again) == len(pending) or not conn.usable:
                 return results + outcomes
@@ -172,3 +188,12 @@ class Sender:
     ) -> Result:
         verdict = classify(reply, self.rules, ambiguous_policy=self.delivery.ambiguous)
         return Result(index, reply, verdict, host, ip, dsn_relayed=relayed)
+
+
+def _count_refusals(conn: SmtpConnection, results: list[Result]) -> None:
+    """4xx replies since the connection last delivered (a strict receiver's error tarpit,
+    Postfix's smtpd_soft_error_limit, slows and then drops a session that draws many)."""
+    if any(r.verdict.outcome == DELIVERED for r in results):
+        conn.refusals = 0
+    else:
+        conn.refusals += len({id(r.reply) for r in results if r.reply.code // 100 == 4})
