@@ -229,6 +229,24 @@ def test_restart_with_an_overdue_backlog_sends_p0_first(provider):
     assert times[-1] - times[1] > 1.0  # the bulk was spread out, not a herd
 
 
+def test_the_first_class_is_one_class_everywhere(provider):
+    """Two classes at the lowest priority: the one the queue serves first is the one the
+    restart does not spread (the same rule everywhere: the name that sorts first)."""
+    daemon = provider.daemon(
+        "delivery.enabled=false",
+        "classes.a.priority=0",
+        "shaping.default.max_connections=1",
+        "shaping.default.initial_connections=1",
+        "shaping.default.reserved_p0=0",
+        "retry.restart_spread=0s",
+    )
+    for i in range(5):
+        send_class(daemon, "p0", f"p0-{i}@example.org")
+    send_class(daemon, "a", "first@example.org")
+    received = provider.drain(daemon)
+    assert received[0].rcpt_tos == ["first@example.org"]
+
+
 def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
     """A p0 wave while concurrency grows opens reserved (first-class) connections; once
     the p0 mail is gone and an operator lowers the limit, the connections over it close

@@ -30,7 +30,7 @@ from ..policy.backoff import RetryPolicy, restart_due
 from ..policy.breaker import CLOSED, HALF_OPEN
 from ..policy.buckets import TokenBucket
 from ..policy.classify import compile_rules
-from ..policy.fairness import FairQueue
+from ..policy.fairness import FairQueue, class_order
 from ..policy.hosts import HostSuspensions
 from ..policy.replies import Reply
 from ..policy.settle import (
@@ -99,7 +99,7 @@ class DeliveryManager:
         client = ClientSettings(d.helo_name or self.hostname, d.timeouts, d.tls)
         self.sender = Sender(client, rules, self.hosts, d)
         self.classes = {name: (c.priority, c.weight) for name, c in cfg.classes.items()}
-        self.first_class = min(self.classes, key=lambda n: (self.classes[n][0], n))
+        self.first_class = class_order({n: c.priority for n, c in cfg.classes.items()})[0]
         self.settle_settings = {
             name: SettleSettings(
                 retry=RetryPolicy.from_config(cfg.retry, first_class=name == self.first_class),
