@@ -48,7 +48,7 @@ from ..routing.resolver import Resolver, Route, RouteFailure
 from ..smtp.addresses import domain_of
 from ..smtp.client import ClientSettings, SmtpConnection
 from ..spool.message_file import CorruptMessageFile
-from ..spool.store import Spool
+from ..spool.store import Spool, StorageError, StorageFull
 from .destination import Destination, WorkItem, destination_key, destinations_view
 from .sender import Outcome, Sender
 
@@ -57,6 +57,7 @@ log = get_logger("delivery")
 EXPIRY_CHECK = 30.0  # seconds between sweeps for mail whose lifetime has passed
 RECOVER_AFTER = 60.0  # retry delay after an unexpected error (a bug): not an attempt...
 UNCHARGED_WAITS = 1  # ... once: a repeated internal wait counts as an attempt
+DSN_RETRY = 5.0  # seconds between tries to store a DSN the spool refused (a full disk)
 PENDING = (QUEUED, DEFERRED)
 
 
@@ -498,7 +499,7 @@ class DeliveryManager:
         except (OSError, CorruptMessageFile) as exc:
             log.error("message_unreadable", id=item.message_id, error=str(exc))
             self._unbusy(item.message_id, item.indexes)
-            self.spool.remove(item.message_id, f"unreadable: {exc}")
+            self._journal(self.spool.remove(item.message_id, f"unreadable: {exc}"), item.message_id)
             return conn
         per_connection = destination.pacing.messages_per_connection
         outcome = await self.sender.send(
@@ -548,7 +549,8 @@ class DeliveryManager:
             message = self.spool.messages.get(message_id)
             if message is not None:
                 with contextlib.suppress(Exception):  # logged above; it waits for a restart
-                    self.spool.update(msgspec.structs.replace(message, held=True))
+                    held = msgspec.structs.replace(message, held=True)
+                    self._journal(self.spool.update(held), message_id)
 
     def _feedback(self, destination: Destination, outcome: Outcome, now: float) -> None:
         """Tell the destination's shaper what an attempt showed, and act on what changed."""
@@ -642,29 +644,55 @@ class DeliveryManager:
                 self.on_delivery(event)
             name = event.pop("event")
             log.info(name, **event)
-        for kind, reports in (
-            ("failure", settlement.failed),
-            ("delay", settlement.delayed),
-            ("success", settlement.succeeded),
-        ):
-            if reports:
-                self._notify(message, reports, kind, now)
+        notices = [
+            self._notify(message, reports, kind, now)
+            for kind, reports in (
+                ("failure", settlement.failed),
+                ("delay", settlement.delayed),
+                ("success", settlement.succeeded),
+            )
+            if reports
+        ]
         if self.cfg.suppression.enabled:
             for address, reason in settlement.suppress:
-                self.spool.suppress(address, now + self.cfg.suppression.ttl, reason)
+                future = self.spool.suppress(address, now + self.cfg.suppression.ttl, reason)
+                self._journal(future, message.id)
                 log.info("suppressed", address=address, reason=reason)
         if settlement.finished and not self._busy.get(message.id):
             self._busy.pop(message.id, None)
             self._waits.pop(message.id, None)
-            self.spool.remove(message.id, "done")
+            if not notices:
+                self._journal(self.spool.remove(message.id, "done"), message.id)
+                return
+            # Its DSNs must be durable before the original goes: kept until then.
+            self._journal(self.spool.update(message), message.id)
+            self._spawn(self._remove_when_noticed(message.id, notices))
             return
-        self.spool.update(message)
+        self._journal(self.spool.update(message), message.id)
         due = _earliest_due(message)
         if due is not None:
             self._schedule(message.id, due)
 
-    def _notify(self, message: Message, reports: list, kind: str, now: float) -> None:
-        """Queue a DSN to the sender (never for the null sender: wants_notice checked)."""
+    def _journal(self, future: asyncio.Future, message_id: str) -> None:
+        """Log a journal write that failed. The record in memory stays current (a lost
+        update costs at worst one more attempt; a lost remove, a message delivered again
+        after a restart), so the queue goes on; the spool refuses new mail meanwhile."""
+
+        def done(future: asyncio.Future) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                log.error("journal_write_failed", id=message_id, error=str(future.exception()))
+
+        future.add_done_callback(done)
+
+    async def _remove_when_noticed(self, message_id: str, notices: list[asyncio.Future]) -> None:
+        if all(await asyncio.gather(*notices)):
+            self._journal(self.spool.remove(message_id, "done"), message_id)
+        else:  # a bug, logged: the original stays, with its final states, for an operator
+            log.error("original_kept", id=message_id, reason="its DSN could not be queued")
+
+    def _notify(self, message: Message, reports: list, kind: str, now: float) -> asyncio.Future:
+        """Queue a DSN to the sender (never for the null sender: wants_notice checked);
+        the future says whether it is durable."""
         try:
             original = self.spool.content(message.id)
         except (OSError, CorruptMessageFile):
@@ -681,8 +709,29 @@ class DeliveryManager:
             klass=self.cfg.dsn.klass,
             lifetime=self.cfg.dsn.lifetime,
         )
-        self.spool.accept(notice, content)
-        log.info("dsn_queued", id=dsn_id, kind=kind, about=message.id, to=message.sender)
+        stored = self.spool.accept(notice, content)  # now: a stop finds it queued
+        fields = {"id": dsn_id, "kind": kind, "about": message.id, "to": message.sender}
+        return self._spawn(self._store_notice(stored, notice, content, fields))
+
+    async def _store_notice(
+        self, stored: asyncio.Future, notice: Message, content: bytes, fields: dict
+    ) -> bool:
+        """Wait for a DSN to be durable, storing it again every DSN_RETRY seconds while the
+        spool refuses it (a full disk, a writer restarting): True once durable, False
+        after a bug."""
+        while True:
+            try:
+                await stored
+            except (StorageFull, StorageError) as exc:
+                log.error("dsn_failed", **fields, error=str(exc), retry_in=DSN_RETRY)
+                await asyncio.sleep(DSN_RETRY)
+                stored = self.spool.accept(notice, content)
+                continue
+            except Exception:
+                log.exception("dsn_failed", **fields)
+                return False
+            log.info("dsn_queued", **fields)
+            return True
 
     # -- operations (mtaqueue-ctl) --------------------------------------------------------
 
@@ -691,7 +740,8 @@ class DeliveryManager:
         ids = {m.id for m in messages if not m.held}
         self._unqueue(lambda item: item.message_id in ids)
         for message_id in ids:
-            self.spool.update(msgspec.structs.replace(self.spool.messages[message_id], held=True))
+            held = msgspec.structs.replace(self.spool.messages[message_id], held=True)
+            self._journal(self.spool.update(held), message_id)
         return len(ids)
 
     def release(self, messages: list[Message]) -> int:
@@ -700,7 +750,7 @@ class DeliveryManager:
         for message in messages:
             if message.held:
                 released = msgspec.structs.replace(message, held=False)
-                self.spool.update(released)
+                self._journal(self.spool.update(released), message.id)
                 self._schedule(message.id, _earliest_due(released) or 0.0)
                 count += 1
         return count
@@ -716,7 +766,7 @@ class DeliveryManager:
             greylist_min = self.cfg.retry.greylist_min
             recipients = [flushed(r, now, greylist_min) for r in message.recipients]
             message = msgspec.structs.replace(message, recipients=tuple(recipients))
-            self.spool.update(message)
+            self._journal(self.spool.update(message), message.id)
             due = _earliest_due(message)
             if due is not None:
                 self._schedule(message.id, due)
@@ -737,7 +787,7 @@ class DeliveryManager:
         for message in messages:
             self._busy.pop(message.id, None)
             self._waits.pop(message.id, None)
-            self.spool.remove(message.id, "deleted by operator")
+            self._journal(self.spool.remove(message.id, "deleted by operator"), message.id)
             log.info("deleted", id=message.id, sender=message.sender)
         return len(ids)
 
@@ -792,10 +842,11 @@ class DeliveryManager:
             for item in destination.queue.remove(predicate):
                 self._unbusy(item.message_id, item.indexes)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Future:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 def _earliest_due(message: Message) -> float | None:
