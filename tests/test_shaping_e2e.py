@@ -282,6 +282,32 @@ def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
     wait_for(lambda: not daemon.messages(), timeout=30, what="the backlog to drain")
 
 
+def test_the_connection_rate_holds_for_every_connection(start_daemon):
+    """connections_per_minute counts every connection a slot opens: the first, one after
+    messages_per_connection, and one to the next MX host when the first fails."""
+    with MailNet(["127.0.0.2", "127.0.0.3", "127.0.0.9"]) as net:
+        mx1, mx2, _ = net.peers
+        net.add_domain("example.org", "127.0.0.2", "127.0.0.3")
+        net.add_domain("sender.test", "127.0.0.9")
+        mx1.banner = "421 4.3.2 service not available"
+        daemon = start_daemon(
+            *net.daemon_overrides(),
+            *FAST,
+            "shaping.default.connections_per_minute=3",
+            "shaping.default.burst=3",
+            "shaping.default.messages_per_connection=1",
+            "shaping.default.initial_connections=1",
+            "shaping.default.max_connections=1",
+        )
+        for i in range(5):
+            send_class(daemon, "p1", f"r{i}@example.org")
+        mx2.wait_messages(2)
+        time.sleep(6)  # the fourth token is 20 s away
+        # mx1 refused one, mx2 took two: the burst of 3; old code: 6 connections at once.
+        assert (mx1.connections, mx2.connections) == (1, 2)
+        assert len(mx2.messages) == 2
+
+
 def test_tenants_take_turns_within_a_class(provider):
     daemon = provider.daemon(
         "delivery.enabled=false",

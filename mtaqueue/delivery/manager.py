@@ -50,7 +50,7 @@ from ..smtp.client import ClientSettings, SmtpConnection
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool, StorageError, StorageFull
 from .destination import Destination, WorkItem, destination_key, destinations_view
-from .sender import Outcome, Sender
+from .sender import Outcome, Permit, Sender
 
 log = get_logger("delivery")
 
@@ -368,10 +368,29 @@ class DeliveryManager:
                 self._pump(destination)
 
     async def _worker(self, destination: Destination, first_class: bool) -> None:
-        """One connection's life: take work from the destination's queue (first-class work
-        only if `first_class`) while the shaper keeps it, then quit."""
+        """One slot's life: take work from the destination's queue (first-class work
+        only if `first_class`) while the shaper keeps it, then quit. The slot's first
+        connection was admitted by _pump; each further one (after messages_per_connection,
+        a close, for the next MX host) is admitted by the shaper again."""
         conn: SmtpConnection | None = None
         shaper = destination.shaper
+        granted = True  # a connection admitted and not opened yet
+
+        async def permit() -> bool:
+            nonlocal granted
+            if granted:
+                granted = False
+                return True
+            while not self._closing:  # the next MX host: wait here, the item is chosen
+                wait = self._reconnect_wait(destination, first_class)
+                if wait == 0:
+                    shaper.connected(time.time())
+                    return True
+                if wait == math.inf:
+                    return False
+                await asyncio.sleep(wait)
+            return False
+
         try:
             eligible = self._tenant_ready if self.tenant_rate else None
             while not self._closing:
@@ -385,6 +404,14 @@ class DeliveryManager:
                     else len(destination.queue)
                 )
                 wait = self._send_wait(destination) if waiting else 0.0
+                if waiting and not granted and not _reusable(conn, destination.pacing):
+                    reconnect = self._reconnect_wait(destination, first_class)
+                    if reconnect == math.inf:
+                        break  # the breaker opened, or the slot is no longer admitted
+                    if reconnect == 0 and wait == 0:
+                        shaper.connected(time.time())
+                        granted = True
+                    wait = max(wait, reconnect)
                 if wait > 0:
                     # Choose the item when it can go, not before: mail that arrives
                     # meanwhile (p0) is taken first, and a lowered limit applies.
@@ -406,7 +433,9 @@ class DeliveryManager:
                     continue
                 self._sent(destination, item.tenant)
                 try:
-                    conn = await self._attempt(destination, item, conn)
+                    conn, denied = await self._attempt(destination, item, conn, permit)
+                    if denied:
+                        break
                 except Exception as exc:
                     log.exception("attempt_failed", id=item.message_id)
                     if conn is not None:
@@ -422,6 +451,13 @@ class DeliveryManager:
                 await conn.quit()
             self._retire(destination)
             self._restaff()
+
+    def _reconnect_wait(self, destination: Destination, first_class: bool) -> float:
+        """The shaper's connect_wait for a further connection of a running slot: the
+        slot is its own (counted out, as in `keeps`); the rate and the breaker apply."""
+        return destination.shaper.connect_wait(
+            time.time(), destination.active - 1, destination.reserved - first_class, first_class
+        )
 
     def _tenant_ready(self, tenant: str | None) -> bool:
         """Whether a tenant may send now under shaping.tenant_rate."""
@@ -488,22 +524,28 @@ class DeliveryManager:
     # -- one attempt --------------------------------------------------------------------
 
     async def _attempt(
-        self, destination: Destination, item: WorkItem, conn: SmtpConnection | None
-    ) -> SmtpConnection | None:
+        self,
+        destination: Destination,
+        item: WorkItem,
+        conn: SmtpConnection | None,
+        permit: Permit,
+    ) -> tuple[SmtpConnection | None, bool]:
+        """One item's attempt: the connection left open, and whether pacing denied a
+        connection it needed (the slot then ends)."""
         message = self.spool.messages.get(item.message_id)
         if message is None or message.held:
             self._unbusy(item.message_id, item.indexes)
-            return conn
+            return conn, False
         try:
             content = self.spool.content(item.message_id)  # small, in the page cache
         except (OSError, CorruptMessageFile) as exc:
             log.error("message_unreadable", id=item.message_id, error=str(exc))
             self._unbusy(item.message_id, item.indexes)
             self._journal(self.spool.remove(item.message_id, f"unreadable: {exc}"), item.message_id)
-            return conn
+            return conn, False
         per_connection = destination.pacing.messages_per_connection
         outcome = await self.sender.send(
-            message, item.indexes, item.route, content, conn, per_connection
+            message, item.indexes, item.route, content, conn, per_connection, permit
         )
         now = time.time()
         try:
@@ -515,12 +557,17 @@ class DeliveryManager:
                 # Every host is suspended: an internal wait, not an attempt.
                 self._unbusy(item.message_id, item.indexes)
                 self._schedule(item.message_id, outcome.wait_until)
-                return outcome.conn
+                return outcome.conn, False
             # Suspended again: that counts, with the reason (Postfix's "delivery
             # temporarily suspended"), and the next try follows the retry schedule.
             reply = outcome.suspended
             assert reply is not None
             outcome.results = [self.sender.result(i, reply, None, None) for i in item.indexes]
+        elif not outcome.results:  # denied before anything was tried: back in its queue
+            klass = item.klass if item.klass in self.classes else self.first_class
+            destination.queue.push(item, klass, item.tenant)
+            destination.arrived.set()
+            return outcome.conn, outcome.denied
         self._finish(
             item.message_id,
             item.indexes,
@@ -528,7 +575,7 @@ class DeliveryManager:
             retry_factor=destination.shaper.retry_factor(now),
             destination=destination.key,
         )
-        return outcome.conn
+        return outcome.conn, outcome.denied
 
     def _attempt_failed(self, destination: Destination, item: WorkItem, exc: Exception) -> None:
         """An attempt raised (a bug of ours outside the SMTP client, which reports its own):
@@ -847,6 +894,11 @@ class DeliveryManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _reusable(conn: SmtpConnection | None, pacing: config.Pacing) -> bool:
+    """Whether the next message can go on `conn` (else a new connection is needed)."""
+    return conn is not None and conn.usable and conn.transactions < pacing.messages_per_connection
 
 
 def _earliest_due(message: Message) -> float | None:

@@ -7,6 +7,7 @@ about them is the manager's and the policy's business.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -32,6 +33,10 @@ class Outcome:
     suspended: Reply | None = None  # ... and why, should the wait have to be charged
     connect_failures: int = 0  # failed connections on the way (for the circuit breaker)
     latency: float | None = None  # connect + greeting of a new connection, seconds
+    denied: bool = False  # pacing refused a connection it needed: nothing tried, or a failure
+
+
+Permit = Callable[[], Awaitable[bool]]  # may a new connection open? (waits for pacing)
 
 
 class Sender:
@@ -55,8 +60,11 @@ class Sender:
         content: bytes,
         conn: SmtpConnection | None,
         max_per_connection: int,
+        permit: Permit,
     ) -> Outcome:
-        """Try the route's hosts in order until one takes the transaction."""
+        """Try the route's hosts in order until one takes the transaction. Every new
+        connection (the first, one after messages_per_connection or a close, the next MX
+        host) opens only with `permit`: pacing counts connections, not attempts."""
         now = time.time()
         port = route.port
         hosts = [h for h in route.hosts if not self.hosts.suspended(host_key(h.name, port), now)]
@@ -82,6 +90,10 @@ class Sender:
             if conn is None or conn.ip != ip:
                 if conn is not None:
                     await conn.quit()
+                    conn = None
+                if not await permit():
+                    outcome.denied = True
+                    break
                 started = time.monotonic()
                 opened = await self._connect(host.name, ip, route.port)
                 if isinstance(opened, Reply):
@@ -97,9 +109,9 @@ class Sender:
                 conn = None
             outcome.conn = conn
             return outcome
-        assert last is not None
-        outcome.results = [self.result(i, last, last_host, None) for i in indexes]
         outcome.conn = None
+        if last is not None:  # else pacing denied the first connection: nothing tried
+            outcome.results = [self.result(i, last, last_host, None) for i in indexes]
         return outcome
 
     def _judge_host(self, host: str, port: int, ip: str, results: list[Result]) -> None:
