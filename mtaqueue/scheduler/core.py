@@ -141,6 +141,7 @@ class Scheduler(Generic[T]):
         self._ids = itertools.count(1)
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
+        self._ended = 0  # slots ended so far
 
     # -- events ------------------------------------------------------------------------
 
@@ -239,8 +240,15 @@ class Scheduler(Generic[T]):
             actions.append(Dispatch(tuple(due)))
         if self._heap:
             wakes.append(self._heap[0][0])
-        for destination in self._destinations.values():
-            self._pump(destination, now, actions, wakes)
+        # Destinations with first-class work first: they get the global slots first. A
+        # slot that ended in a pass frees a global slot: pass again.
+        order = sorted(self._destinations.values(), key=lambda d: not d.queue.first_class_waiting())
+        while True:
+            ended = self._ended
+            for destination in order:
+                self._pump(destination, now, actions, wakes)
+            if self._ended == ended:
+                break
         if wakes:
             actions.append(Wake(min(wakes)))
         return actions
@@ -344,5 +352,6 @@ class Scheduler(Generic[T]):
         return bucket
 
     def _end(self, slot: _Slot) -> None:
+        self._ended += 1
         self._slots.pop(slot.id, None)
         self._destinations[slot.destination].slots.pop(slot.id, None)
