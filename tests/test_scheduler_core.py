@@ -51,11 +51,28 @@ def of(actions, kind):
     return [a for a in actions if isinstance(a, kind)]
 
 
-def test_due_messages_are_dispatched_when_due():
+def test_due_messages_are_dispatched_together_when_due():
     sched = scheduler(pacing())
-    assert of(sched.schedule(T0, "m1", T0 + 5), Dispatch) == []
-    assert of(sched.schedule(T0, "m2", T0 + 5), Wake) == [Wake(T0 + 5)]
-    assert of(sched.tick(T0 + 5), Dispatch) == [Dispatch(("m1", "m2"))]
+    assert sched.schedule(T0, "m1", T0 + 5) == [Wake(T0 + 5)]
+    assert sched.schedule(T0, "m2", T0 + 6) == []  # not the first due: the Wake stands
+    assert sched.schedule(T0, "m3", T0 + 4) == [Wake(T0 + 4)]
+    assert of(sched.tick(T0 + 4.5), Dispatch) == [Dispatch(("m3",))]
+    assert of(sched.tick(T0 + 6), Dispatch) == [Dispatch(("m1", "m2"))]
+
+
+def test_a_reload_reclassifies_waiting_items_and_an_idle_destination_is_forgotten():
+    sched = scheduler(pacing(initial_connections=1, max_connections=1))
+    (first,) = of(sched.enqueue(T0, "d", "x", "p2"), Connect)
+    sched.enqueue(T0, "d", "gone", "bulk2")  # an unknown class goes with the first class
+    sched.enqueue(T0, "d", "y", "p2")
+    assert sched.waiting("d") == {"p0": 1, "p1": 0, "p2": 1}
+    assert not sched.forget("d")  # a slot and waiting items
+    sched.reclassify({"p0": (0, 1), "p2": (2, 1)})
+    assert sched.waiting("d") == {"p0": 1, "p2": 1}
+    assert sched.remove(T0, lambda item: True, key="d") == ["gone", "y"]
+    sched.abandon(T0, first.conn)  # every host suspended, say: no feedback, slot free
+    assert sched.slots("d") == (0, 0)
+    assert sched.forget("d")
 
 
 def test_the_connection_rate_holds_across_reconnects_and_the_next_host():
@@ -252,12 +269,27 @@ class Storm(RuleBasedStateMachine):
             self.slots[conn]["state"] = "connected"
             self.apply(self.sched.connected(self.now, conn, latency))
 
+    @rule(index=st.integers(0, 9))
+    def abandon(self, index):
+        conn = self.pick("connecting", index)
+        if conn is not None:
+            del self.slots[conn]
+            self.apply(self.sched.abandon(self.now, conn))
+
     @rule(index=st.integers(0, 9), more=st.booleans())
     def connect_failed(self, index, more):
         conn = self.pick("connecting", index)
         if conn is not None:
             self.slots[conn]["state"] = "waiting" if more else "failed"
-            self.apply(self.sched.connect_failed(self.now, conn, more_hosts=more))
+            reply = Reply("banner", 421, "4.7.0", "too many connections") if more else None
+            failed = self.sched.connect_failed(
+                self.now,
+                conn,
+                more_hosts=more,
+                reply=reply,
+                verdict=None if reply is None else classify(reply, ()),
+            )
+            self.apply(failed)
 
     @rule(
         index=st.integers(0, 9),

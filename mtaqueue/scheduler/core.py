@@ -142,15 +142,47 @@ class Scheduler(Generic[T]):
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self._ended = 0  # slots ended so far
+        self._paced: float | None = None  # the pacing's earliest wake at the last event
 
     # -- events ------------------------------------------------------------------------
 
     def add_destination(self, key: str, shaper: DestinationShaper, pacing: Pacing) -> None:
-        self._destinations[key] = _Destination(key, shaper, pacing, FairQueue(self.classes))
+        """A new destination, or new pacing for a known one (a reload): its queue and
+        slots stay."""
+        known = self._destinations.get(key)
+        if known is None:
+            self._destinations[key] = _Destination(key, shaper, pacing, FairQueue(self.classes))
+        else:
+            known.shaper, known.pacing = shaper, pacing
+
+    def forget(self, key: str) -> bool:
+        """Drop a destination with no slots and nothing waiting; whether it was dropped."""
+        destination = self._destinations.get(key)
+        if destination is None or destination.slots or len(destination.queue):
+            return False
+        del self._destinations[key]
+        return True
+
+    def reclassify(self, classes: dict[str, tuple[int, int]]) -> None:
+        """New classes (a reload): waiting items keep their order within a class; those of
+        a class that is gone join the first class."""
+        self.classes = classes
+        self.first_class = class_order({n: p for n, (p, _) in classes.items()})[0]
+        for destination in self._destinations.values():
+            entries = destination.queue.remove(lambda entry: True)
+            destination.queue = FairQueue(classes)
+            for item, klass, tenant in entries:
+                klass = klass if klass in classes else self.first_class
+                destination.queue.push((item, klass, tenant), klass, tenant)
 
     def schedule(self, now: float, message_id: str, due: float) -> list[Action]:
+        """Make a message due at `due`. It is dispatched by the `tick` at or after it,
+        with everything else due then (a restart makes thousands due at once: routed
+        together), so this only moves the Wake."""
         heapq.heappush(self._heap, (due, next(self._seq), message_id))
-        return self._run(now)
+        if self._heap[0][2] != message_id:
+            return []
+        return [Wake(due if self._paced is None else min(due, self._paced))]
 
     def tick(self, now: float) -> list[Action]:
         return self._run(now)
@@ -171,11 +203,24 @@ class Scheduler(Generic[T]):
         slot.state = SENDING  # the item of the Connect goes now
         return [Send(conn, slot.item), *self._run(now)]  # type: ignore[arg-type]
 
-    def connect_failed(self, now: float, conn: int, *, more_hosts: bool) -> list[Action]:
-        """The connection for a `Connect` failed; `more_hosts`: another host may be tried."""
+    def connect_failed(
+        self,
+        now: float,
+        conn: int,
+        *,
+        more_hosts: bool,
+        reply: Reply | None = None,
+        verdict: Verdict | None = None,
+    ) -> list[Action]:
+        """The connection for a `Connect` failed (with `reply` and its `verdict`, a 421
+        greeting say, when there was one: a throttle reply paces as well); `more_hosts`:
+        another host may be tried."""
         slot = self._slots[conn]
-        destination = self._destinations[slot.destination]
-        destination.shaper.connect_failed(now)
+        shaper = self._destinations[slot.destination].shaper
+        if reply is None or verdict is None:
+            shaper.connect_failed(now)
+        else:
+            shaper.result(now, reply, verdict)
         if more_hosts:
             slot.state = WAITING
             return self._run(now)
@@ -211,10 +256,18 @@ class Scheduler(Generic[T]):
             slot.state, slot.until = IDLE, now + self.connection_idle
         return actions + self._run(now)
 
-    def remove(self, now: float, predicate: Callable[[T], bool]) -> list[T]:
-        """Take waiting items out of the ready queues (held, deleted, bounced)."""
+    def abandon(self, now: float, conn: int) -> list[Action]:
+        """The driver did not open the connection of a `Connect` (every host suspended,
+        say): the slot ends without feedback; the item is the driver's to deal with."""
+        self._end(self._slots[conn])
+        return self._run(now)
+
+    def remove(self, now: float, predicate: Callable[[T], bool], key: str | None = None) -> list[T]:
+        """Take waiting items out of the ready queues (held, deleted, bounced), of one
+        destination's if `key`; by class, tenant turn, then FIFO."""
         removed: list[T] = []
-        for destination in self._destinations.values():
+        chosen = self._destinations.values() if key is None else [self._destinations[key]]
+        for destination in chosen:
             entries = destination.queue.remove(lambda entry: predicate(entry[0]))
             removed += [item for item, _, _ in entries]
         return removed
@@ -226,6 +279,7 @@ class Scheduler(Generic[T]):
         return self._destinations[key].counts()
 
     def waiting(self, key: str) -> dict[str, int]:
+        """Items waiting at destination `key`, by class (every class listed)."""
         return self._destinations[key].queue.depth()
 
     # -- the one place that permits ----------------------------------------------------
@@ -238,8 +292,6 @@ class Scheduler(Generic[T]):
             due.append(heapq.heappop(self._heap)[2])
         if due:
             actions.append(Dispatch(tuple(due)))
-        if self._heap:
-            wakes.append(self._heap[0][0])
         # Destinations with first-class work first: they get the global slots first. A
         # slot that ended in a pass frees a global slot: pass again.
         order = sorted(self._destinations.values(), key=lambda d: not d.queue.first_class_waiting())
@@ -249,6 +301,9 @@ class Scheduler(Generic[T]):
                 self._pump(destination, now, actions, wakes)
             if self._ended == ended:
                 break
+        self._paced = min(wakes, default=None)
+        if self._heap:
+            wakes.append(self._heap[0][0])
         if wakes:
             actions.append(Wake(min(wakes)))
         return actions
