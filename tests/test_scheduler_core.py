@@ -25,6 +25,7 @@ from mtaqueue.scheduler.core import (
     Connect,
     Dispatch,
     GiveUp,
+    Release,
     Scheduler,
     Send,
     Wake,
@@ -200,6 +201,9 @@ class Storm(RuleBasedStateMachine):
                 assert self.slots.pop(action.conn)["state"] in ("idle", "done")
             elif isinstance(action, GiveUp):
                 assert self.slots.pop(action.conn)["state"] in ("waiting", "failed")
+            elif isinstance(action, Release):
+                for item in action.items:  # the driver schedules them again, spread out
+                    self.waiting[action.destination][self.klass[item]] -= 1
             elif isinstance(action, Wake):
                 self.wake = action.at
             else:

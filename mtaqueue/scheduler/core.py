@@ -15,7 +15,8 @@ has its send_wait, the global rate and its tenant's rate at 0; each takes its to
 slot is a connection: one that ends (the server closed, messages_per_connection reached)
 ends its slot, and the next is admitted like any new one. Reserved slots
 (pacing.reserved_p0) carry first-class work only. Feedback goes to the shaper: one
-signal per distinct reply of a transaction, a failed connect, a connect latency.
+signal per distinct reply of a transaction, a failed connect, a connect latency; when a
+probe closes the circuit, what waited is released (`Release`) rather than sent at once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from ..config import Pacing
+from ..policy.breaker import CLOSED, HALF_OPEN
 from ..policy.buckets import TokenBucket
 from ..policy.classify import Verdict
 from ..policy.fairness import FairQueue, class_order
@@ -82,13 +84,23 @@ class GiveUp(Generic[T]):
 
 
 @dataclass(frozen=True, slots=True)
+class Release(Generic[T]):
+    """A probe closed `destination`'s circuit: the items that waited while it was open,
+    most urgent first, taken out of its queue for the driver to let go spread out (not
+    as a herd)."""
+
+    destination: str
+    items: tuple[T, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Wake:
     """Call `tick` at `at` (replaces any earlier Wake; none: nothing is timed)."""
 
     at: float
 
 
-Action = Dispatch | Connect | Send | Close | GiveUp | Wake
+Action = Dispatch | Connect | Send | Close | GiveUp | Release | Wake
 
 
 @dataclass(slots=True)
@@ -188,12 +200,21 @@ class Scheduler(Generic[T]):
         return self._run(now)
 
     def enqueue(
-        self, now: float, key: str, item: T, klass: str, tenant: str | None = None
+        self,
+        now: float,
+        key: str,
+        item: T,
+        klass: str,
+        tenant: str | None = None,
+        *,
+        run: bool = True,
     ) -> list[Action]:
-        """Routed work for destination `key` (added first with add_destination)."""
+        """Routed work for destination `key` (added first with add_destination). `run`
+        False: more of a batch follows (then `tick`), so that the order within the batch
+        (the first class first, tenants in turn) decides what goes first."""
         klass = klass if klass in self.classes else self.first_class
         self._destinations[key].queue.push((item, klass, tenant), klass, tenant)
-        return self._run(now)
+        return self._run(now) if run else []
 
     def connected(self, now: float, conn: int, latency: float | None = None) -> list[Action]:
         slot = self._slots[conn]
@@ -240,6 +261,7 @@ class Scheduler(Generic[T]):
         driver; `reusable`: the connection can take another; `replies`: what it got."""
         slot = self._slots[conn]
         destination = self._destinations[slot.destination]
+        probing = destination.shaper.state(now).circuit == HALF_OPEN
         seen: set[int] = set()
         for reply, verdict in replies:  # one signal per reply, not per recipient
             if id(reply) not in seen:
@@ -248,6 +270,9 @@ class Scheduler(Generic[T]):
         slot.item = None
         slot.transactions += 1
         actions: list[Action] = []
+        if probing and destination.shaper.state(now).circuit == CLOSED:
+            entries = destination.queue.remove(lambda entry: True)
+            actions.append(Release(destination.key, tuple(item for item, _, _ in entries)))
         if not reusable or slot.transactions >= destination.pacing.messages_per_connection:
             self._end(slot)
             if reusable:
@@ -312,24 +337,12 @@ class Scheduler(Generic[T]):
         self, destination: _Destination, now: float, actions: list[Action], wakes: list[float]
     ) -> None:
         shaper = destination.shaper
-        # Open slots first: close those no longer admitted or idle too long, retry the
-        # next host of a failed connect, give idle connections work.
+        # Idle connections no longer admitted close; a failed connect tries the next host.
         for slot in list(destination.slots.values()):
             active, reserved = destination.counts()
-            if slot.state == IDLE:
-                if not shaper.keeps(now, active, reserved, slot.first_class):
-                    self._end(slot)
-                    actions.append(Close(slot.id))
-                    continue
-                entry, wait = self._next(destination, now, slot.first_class)
-                if entry is not None:
-                    slot.state, slot.item = SENDING, entry
-                    actions.append(Send(slot.id, entry))
-                elif now >= slot.until:
-                    self._end(slot)
-                    actions.append(Close(slot.id))
-                else:
-                    wakes.append(slot.until if wait is None else min(slot.until, now + wait))
+            if slot.state == IDLE and not shaper.keeps(now, active, reserved, slot.first_class):
+                self._end(slot)
+                actions.append(Close(slot.id))
             elif slot.state == WAITING:
                 others, others_reserved = destination.counts(leaving=slot)
                 wait = shaper.connect_wait(now, others, others_reserved, slot.first_class)
@@ -343,17 +356,38 @@ class Scheduler(Generic[T]):
                     shaper.connected(now)
                     slot.state = CONNECTING
                     actions.append(Connect(slot.id, destination.key, slot.item, slot.first_class))
-        # Then new slots, while work waits that the idle ones do not take.
-        while len(destination.queue) and len(self._slots) < self.max_connections:
-            idle = [s for s in destination.slots.values() if s.state == IDLE]
-            if any(not s.first_class for s in idle) or (
-                idle and destination.queue.first_class_waiting()
-            ):
-                return  # an idle connection waits for the same pacing
+        self._open_slots(destination, now, actions, wakes)
+        # Idle connections take what is left; one with nothing to do closes after
+        # connection_idle.
+        for slot in [s for s in destination.slots.values() if s.state == IDLE]:
+            entry, wait = self._next(destination, now, slot.first_class)
+            if entry is not None:
+                slot.state, slot.item = SENDING, entry
+                actions.append(Send(slot.id, entry))
+            elif wait is None and now >= slot.until:
+                self._end(slot)
+                actions.append(Close(slot.id))
+            else:
+                wakes.append(slot.until if wait is None else now + wait)
+
+    def _open_slots(
+        self, destination: _Destination, now: float, actions: list[Action], wakes: list[float]
+    ) -> None:
+        """New slots while more work waits than the idle connections take: up to the
+        limit with a backlog, as an MTA does (the concurrency limit grows only so)."""
+        shaper, queue = destination.shaper, destination.queue
+        while len(self._slots) < self.max_connections:
+            first_waiting = queue.first_class_waiting()
+            takers = sum(
+                s.state == IDLE and (not s.first_class or first_waiting)
+                for s in destination.slots.values()
+            )
+            if len(queue) <= takers:
+                return
             active, reserved = destination.counts()
             wait = shaper.connect_wait(now, active, reserved, first_class=False)
             first_class = False
-            if wait > 0 and destination.queue.first_class_waiting():
+            if wait > 0 and first_waiting:
                 reserved_wait = shaper.connect_wait(now, active, reserved, first_class=True)
                 first_class, wait = reserved_wait == 0, min(wait, reserved_wait)
             if wait > 0:
