@@ -239,6 +239,24 @@ def test_restart_with_an_overdue_backlog_sends_p0_first(provider):
     assert times[-1] - times[1] > 1.0  # the bulk was spread out, not a herd
 
 
+def test_the_first_class_is_one_class_everywhere(provider):
+    """Two classes at the lowest priority: the one the queue serves first is the one the
+    restart does not spread (the same rule everywhere: the name that sorts first)."""
+    daemon = provider.daemon(
+        "delivery.enabled=false",
+        "classes.a.priority=0",
+        "shaping.default.max_connections=1",
+        "shaping.default.initial_connections=1",
+        "shaping.default.reserved_p0=0",
+        "retry.restart_spread=0s",
+    )
+    for i in range(5):
+        send_class(daemon, "p0", f"p0-{i}@example.org")
+    send_class(daemon, "a", "first@example.org")
+    received = provider.drain(daemon)
+    assert received[0].rcpt_tos == ["first@example.org"]
+
+
 def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
     """A p0 wave while concurrency grows opens reserved (first-class) connections; once
     the p0 mail is gone and an operator lowers the limit, the connections over it close
@@ -272,6 +290,32 @@ def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
     mx.wait_for(lambda: len(mx.messages) >= delivered + 20, timeout=5)  # bulk goes on
     assert mx.active <= 2
     wait_for(lambda: not daemon.messages(), timeout=30, what="the backlog to drain")
+
+
+def test_the_connection_rate_holds_for_every_connection(start_daemon):
+    """connections_per_minute counts every connection a slot opens: the first, one after
+    messages_per_connection, and one to the next MX host when the first fails."""
+    with MailNet(["127.0.0.2", "127.0.0.3", "127.0.0.9"]) as net:
+        mx1, mx2, _ = net.peers
+        net.add_domain("example.org", "127.0.0.2", "127.0.0.3")
+        net.add_domain("sender.test", "127.0.0.9")
+        mx1.banner = "421 4.3.2 service not available"
+        daemon = start_daemon(
+            *net.daemon_overrides(),
+            *FAST,
+            "shaping.default.connections_per_minute=3",
+            "shaping.default.burst=3",
+            "shaping.default.messages_per_connection=1",
+            "shaping.default.initial_connections=1",
+            "shaping.default.max_connections=1",
+        )
+        for i in range(5):
+            send_class(daemon, "p1", f"r{i}@example.org")
+        mx2.wait_messages(2)
+        time.sleep(6)  # the fourth token is 20 s away
+        # mx1 refused one, mx2 took two: the burst of 3; old code: 6 connections at once.
+        assert (mx1.connections, mx2.connections) == (1, 2)
+        assert len(mx2.messages) == 2
 
 
 def test_tenants_take_turns_within_a_class(provider):
