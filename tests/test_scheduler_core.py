@@ -135,6 +135,26 @@ def test_a_throttle_reply_stops_new_connections_and_idle_ones_close():
     assert sched.slots("d")[0] <= 3
 
 
+def test_a_probe_that_closes_the_circuit_releases_what_waited():
+    shaping = config.ShapingConfig(breaker_failures=1, breaker_cooldown=10.0)
+    p = pacing(initial_connections=1, max_connections=1)
+    sched = Scheduler(CLASSES, max_connections=10, connection_idle=5.0)
+    sched.add_destination("d", DestinationShaper(p, shaping, T0), p)
+    (first,) = of(sched.enqueue(T0, "d", "m0", "p1"), Connect)
+    for i in range(1, 4):
+        sched.enqueue(T0, "d", f"m{i}", "p1")
+    refused = Reply("connect", 0, network="refused")
+    actions = sched.connect_failed(
+        T0, first.conn, more_hosts=False, reply=refused, verdict=classify(refused, ())
+    )
+    assert of(actions, GiveUp) and not of(actions, Connect)  # the breaker is open
+    (probe,) = of(sched.tick(T0 + 10), Connect)  # half-open: one probe
+    sched.connected(T0 + 10, probe.conn)
+    actions = sched.done(T0 + 10, probe.conn, reusable=True, replies=[(OK, classify(OK, ()))])
+    assert of(actions, Release) == [Release("d", ("m2", "m3"))]
+    assert not of(actions, Send) and sched.waiting("d")["p1"] == 0
+
+
 class Storm(RuleBasedStateMachine):
     """A driver that completes the core's actions in any order, against two destinations,
     with the clock moving; every permission is checked against what pacing allows."""

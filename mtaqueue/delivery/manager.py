@@ -239,7 +239,7 @@ class DeliveryManager:
                     self._timer = asyncio.get_running_loop().call_later(delay, self._tick)
             elif isinstance(action, Dispatch):
                 self._dispatch_due(action.message_ids)
-            elif self._closing:
+            elif isinstance(action, Connect | Send) and self._closing:
                 continue  # no new connection or message while stopping
             elif isinstance(action, Connect):
                 self._spawn(self._guard(action.conn, action.item, self._open(action)))
