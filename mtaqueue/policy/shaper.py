@@ -1,8 +1,9 @@
 """One destination's pacing: a learned rate (rate_learner.py), rate buckets, adaptive
-concurrency, backoff mode and a circuit breaker, composed. The queue manager asks before it
-opens a connection or sends a message and reports what happened; waiting here is pacing, not
-a failed attempt (the caller does not climb the retry ladder for it). The global rate cap
-(delivery.max_rate) is the manager's own `TokenBucket`, not this.
+concurrency, backoff mode and a circuit breaker, composed. The scheduler core
+(scheduler/core.py) asks before it opens a connection or sends a message and reports what
+happened; waiting here is pacing, not a failed attempt (the caller does not climb the retry
+ladder for it). The global rate cap (delivery.max_rate) is the core's own `TokenBucket`,
+not this.
 
 Admission rules:
 - A new connection needs the breaker's leave (closed, or the one half-open probe), a free
