@@ -34,6 +34,7 @@ from .delivery.manager import DeliveryManager
 from .logs import configure_logging, get_logger
 from .metrics import Metrics, Sources
 from .metrics import serve as serve_metrics
+from .policy.fairness import class_order
 from .routing.resolver import Resolver
 from .sdnotify import Notifier
 from .smtp.addresses import qualified_hostname
@@ -404,7 +405,7 @@ def listener_settings(cfg: config.Config, hostname: str) -> ListenerSettings:
         ),
         submission=SubmissionSettings(
             hostname=hostname,
-            classes=tuple(sorted(cfg.classes, key=lambda n: (cfg.classes[n].priority, n))),
+            classes=tuple(class_order({n: c.priority for n, c in cfg.classes.items()})),
             default_class=cfg.submission.default_class,
             tenant_header=cfg.submission.tenant_header.lower().encode(),
         ),

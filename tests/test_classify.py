@@ -220,6 +220,23 @@ CASES = [
     "rcpt 451 4.7.0 Please try again later => transient recipient greylisting 4.7.0",
     "rcpt 451 Please try again in 5 minutes => transient recipient greylisting 4.0.0 after=300",
     "rcpt 450 4.2.0 come back later => transient recipient greylisting 4.2.0",
+    # --- Postfix 3.7 and postgrey as a provider, verbatim (anvil limits with
+    # smtpd_client_event_limit_exceptions empty, smtpd_soft/hard_error_limit, postgrey via
+    # check_policy_service; captured from a private `postfix -c DIR` instance)
+    "mail 450 4.7.1 Error: too much mail from 127.0.0.1 => transient destination throttling 4.7.1",
+    "rcpt 450 4.7.1 Error: too many recipients from 127.0.0.1"
+    " => transient destination throttling 4.7.1",
+    "banner 421 4.7.0 pfbench-2631.localdomain Error: too many connections from 127.0.0.1"
+    " => transient destination throttling 4.7.0",
+    "rcpt 421 4.7.0 pfbench-2631.localdomain Error: too many errors"
+    " => transient message other 4.7.0",
+    "mail 421 4.7.0 pfbench-2631.localdomain Error: too many errors"
+    " => transient message other 4.7.0",
+    "rcpt 450 4.2.0 <grey@example.org>: Recipient address rejected: Greylisted, see "
+    "http://postgrey.schweikert.ch/help/example.org.html"
+    " => transient recipient greylisting 4.2.0",
+    # (Postfix's per-transaction recipient limit names no client: RFC 5321's, not anvil's)
+    "rcpt 452 4.5.3 Error: too many recipients => transient recipient too_many_recipients 4.5.3",
     # --- throttling: the destination is paced
     "rcpt 451 4.7.650 The mail server [192.0.2.1] has been temporarily rate limited due to IP "
     "reputation."

@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 from daemon_process import DaemonProcess
-from e2e_helpers import events, wait_for
+from e2e_helpers import FAST, MailNet, events, wait_for
 
 from mtaqueue.ids import IdGenerator
 from mtaqueue.model import Message, Recipient
@@ -163,6 +163,32 @@ def test_full_disk_answers_452_and_keeps_serving(start_daemon, small_fs):
     assert len(daemon.messages()) == len(acked) + 1
     leftovers = [p for p in SpoolLayout(daemon.spool).messages.rglob("*.tmp")]
     assert leftovers == []
+
+
+def test_a_dsn_refused_for_want_of_space_keeps_the_original_until_it_is_stored(
+    start_daemon, small_fs
+):
+    """The bounce of a message finds the disk too full for its DSN (the original's record
+    would still fit): the original stays queued, the DSN is stored once there is room, and
+    only then does the original go."""
+    with MailNet(["127.0.0.2", "127.0.0.9"]) as net:
+        mx, home = net.peers
+        net.add_domain("example.org", "127.0.0.2")
+        net.add_domain("sender.test", "127.0.0.9")
+        mx.on("rcpt", "451 4.3.0 try later")
+        daemon = start_daemon(*net.daemon_overrides(), *FAST, "spool.min_free=0", workdir=small_fs)
+        queue_id = daemon.send("app@sender.test", ["x@example.org"], body("b", size=90_000))
+        wait_for(lambda: events(daemon, "delivery"), what="the first attempt")
+        st = os.statvfs(small_fs)
+        (small_fs / "ballast").write_bytes(b"x" * (st.f_bavail * st.f_frsize - 40_000))
+        mx.on("rcpt", "550 5.1.1 no such user")
+        wait_for(lambda: events(daemon, "dsn_failed"), what="the DSN refused")
+        assert events(daemon, "delivery")[-1]["outcome"] == "permanent"
+        assert queue_id in daemon.messages()  # kept: its DSN is not stored
+        (small_fs / "ballast").unlink()
+        home.wait_for(lambda: len(home.messages) == 1, timeout=20)
+        assert "x@example.org" in home.messages[0].content.decode(errors="replace")
+        wait_for(lambda: not daemon.messages(), what="the original to go")
 
 
 def test_free_space_threshold_refuses_before_the_disk_is_full(start_daemon, small_fs):

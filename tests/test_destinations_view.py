@@ -25,9 +25,12 @@ def deferred(address: str, reply: str | None = None, at: float | None = None) ->
     )
 
 
+QUEUED_NONE = dict.fromkeys(CLASSES, 0)
+
+
 def live(key: str, *domains: str) -> Destination:
     pacing = config.Pacing(messages_per_minute=120)
-    d = Destination(key, pacing, DestinationShaper(pacing, config.ShapingConfig(), NOW), CLASSES)
+    d = Destination(key, pacing, DestinationShaper(pacing, config.ShapingConfig(), NOW))
     d.domains.update(domains)
     return d
 
@@ -45,7 +48,9 @@ def test_deferred_mail_is_counted_where_it_waits_and_unrouted_mail_is_listed_by_
         message("F", deferred("g@other.test", "451 4.7.1 greylisted", NOW - 20)),
         message("G", deferred("h@other.test", "421 4.4.2 timeout", NOW - 10)),
     ]
-    view = destinations_view([mx.snapshot(NOW, {})], messages, {"C": {0}, "A": set()})
+    view = destinations_view(
+        [mx.snapshot(NOW, {}, QUEUED_NONE, 0)], messages, {"C": {0}, "A": set()}
+    )
     assert [d["destination"] for d in view] == ["mx.provider.test", "other.test"]
     provider, other = view
     assert provider["routed"] is True and provider["deferred"] == {"p1": 1, "p2": 1}
@@ -62,13 +67,17 @@ def test_deferred_mail_is_counted_where_it_waits_and_unrouted_mail_is_listed_by_
 
 
 def test_a_live_destination_without_waiting_mail_is_still_shown():
-    view = destinations_view([live("mx.a.test", "a.test").snapshot(NOW, {})], [], {})
+    view = destinations_view(
+        [live("mx.a.test", "a.test").snapshot(NOW, {}, QUEUED_NONE, 0)], [], {}
+    )
     assert [(d["destination"], d["deferred"]) for d in view] == [("mx.a.test", {})]
 
 
 def test_text_shows_waiting_mail_rates_and_suspended_hosts():
     mx = live("mx.provider.test", "example.org")
-    snapshot = mx.snapshot(NOW, {"mx.provider.test": NOW + 3600, "mx.elsewhere.test": NOW})
+    snapshot = mx.snapshot(
+        NOW, {"mx.provider.test": NOW + 3600, "mx.elsewhere.test": NOW}, QUEUED_NONE, 0
+    )
     [entry] = destinations_view([snapshot], [message("A", deferred("a@example.org"))], {})
     unrouted = {
         "destination": "other.test",

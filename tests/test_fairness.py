@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mtaqueue.config import DEFAULT_CLASSES
-from mtaqueue.policy.fairness import FairQueue
+from mtaqueue.policy.fairness import FairQueue, class_order
 
 CLASSES = {name: (c.priority, c.weight) for name, c in DEFAULT_CLASSES.items()}  # p1:p2 = 4:1
 
@@ -33,6 +33,15 @@ def drain(queue, **kwargs):
 
 def test_the_default_weights_are_four_to_one():
     assert CLASSES == {"p0": (0, 1), "p1": (1, 4), "p2": (2, 1)}
+
+
+def test_a_tie_for_the_first_class_goes_to_the_name_that_sorts_first():
+    classes = {**CLASSES, "a": (0, 1)}  # as [classes.a] priority = 0 makes it
+    assert class_order({name: p for name, (p, _) in classes.items()}) == ["a", "p0", "p1", "p2"]
+    queue = FairQueue(classes)
+    fill(queue, "p0", 2)
+    fill(queue, "a", 2)
+    assert [klass for klass, _, _ in drain(queue, first_class_only=True)] == ["a", "a"]
 
 
 def test_empty(queue):

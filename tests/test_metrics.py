@@ -36,7 +36,7 @@ class State:
 
     def __init__(self) -> None:
         self.messages: list[Message] = []
-        self.destinations: list[Destination] = []
+        self.destinations: list[tuple[Destination, int]] = []  # and its connections
         self.alerts: list[tuple[str, str]] = []
         self.dns = (0, 0)
 
@@ -44,7 +44,10 @@ class State:
         sources = Sources(
             messages=lambda: self.messages,
             classes=lambda: CLASSES,
-            destinations=lambda: [d.snapshot(NOW, {}) for d in self.destinations],
+            destinations=lambda: [
+                d.snapshot(NOW, {}, dict.fromkeys(CLASSES, 0), active)
+                for d, active in self.destinations
+            ],
             dns=lambda: self.dns,
             free_bytes=lambda: 5 * 2**30,
             journal_bytes=lambda: 12345,
@@ -58,12 +61,11 @@ def message(queue_id, klass, age, *rcpts, held=False) -> Message:
     return Message(queue_id, "app@example.com", recipients, NOW - age, 100, klass, held=held)
 
 
-def destination(key: str, *domains: str, active: int = 0) -> Destination:
+def destination(key: str, *domains: str, active: int = 0) -> tuple[Destination, int]:
     pacing = config.Pacing()
-    d = Destination(key, pacing, DestinationShaper(pacing, config.ShapingConfig(), NOW), CLASSES)
+    d = Destination(key, pacing, DestinationShaper(pacing, config.ShapingConfig(), NOW))
     d.domains.update(domains)
-    d.active = active
-    return d
+    return d, active
 
 
 def delivery_event(msg: Message, index: int, phase: str, code: int, text: str, dest: str) -> dict:
@@ -148,8 +150,9 @@ def test_a_scrape_shows_the_queue_the_pacing_and_the_spool():
         assert value(found, "mtaqueue_queue_oldest_age_seconds", **{"class": klass}) == age
     assert value(found, "mtaqueue_destination_connections", destination=GMAIL) == 2
     assert value(found, "mtaqueue_destination_connection_limit", destination=GMAIL) == 2
+    # No rate configured: the learned one, at its slow start (2 a second).
     assert (
-        value(found, "mtaqueue_destination_rate_limit_messages_per_second", destination=GMAIL) == 0
+        value(found, "mtaqueue_destination_rate_limit_messages_per_second", destination=GMAIL) == 2
     )
     assert value(found, "mtaqueue_destination_backoff_stage", destination=GMAIL) == 0
     circuit = "mtaqueue_destination_circuit_state"

@@ -78,10 +78,12 @@ def test_reserved_slot_for_the_first_class():
     assert slots(shaper, 0.0) == (1, 1)
     grow_to(shaper, 0.0, 4)
     assert slots(shaper, 0.0) == (3, 1)
-    # Cut to 1: bulk keeps its one connection (never starved), p0 goes first on it.
-    report(shaper, 0.0, THROTTLED, times=2)
+    # Cut to 1 by two episodes: bulk keeps its one connection (never starved), p0 goes
+    # first on it.
+    report(shaper, 0.0, THROTTLED)
+    report(shaper, 100.0, THROTTLED)
     assert shaper.concurrency.limit == 1
-    assert slots(shaper, 0.0) == (1, 0)
+    assert slots(shaper, 200.0) == (1, 0)
 
 
 def test_first_class_connections_do_not_take_the_ordinary_share():
@@ -135,10 +137,12 @@ def test_message_rate_allows_the_burst_then_paces():
 # -- throttling and backoff mode -------------------------------------------------------------
 
 
-def test_throttle_backoff_and_recovery_in_stages():
+def test_throttle_rule_backoff_and_recovery_in_stages():
     pacing = Pacing(max_connections=8, initial_connections=8, messages_per_minute=120)
-    shaper = shaper_at(pacing=pacing)
+    shaper = shaper_at(pacing=pacing, throttle_rules=[ThrottleRule(match="unusual rate")])
+    shaper.learner.rate = 10.0  # learned above the ceiling: the ceiling governs
     report(shaper, 0.0, THROTTLED)
+    shaper.learner.rate = 10.0  # (and the ceiling, not the cut, is what backoff scales)
     snap = shaper.snapshot(0.0)
     assert (snap["mode"], snap["stage"]) == ("backoff", 2)
     assert snap["max"] == 2  # the ceiling 8 * 0.5**2
@@ -165,15 +169,21 @@ def test_the_backoff_rate_paces_sending():
     shaper = shaper_at(pacing=Pacing(messages_per_minute=60, burst=1))
     shaper.sent(0.0)
     assert shaper.send_wait(0.0) == pytest.approx(1.0)
-    report(shaper, 0.0, THROTTLED)
+    shaper.force_backoff(0.0, until=100.0)
     assert shaper.send_wait(0.0) == pytest.approx(4.0)  # a quarter of the rate
 
 
-def test_an_unlimited_rate_stays_unlimited_in_backoff():
+def test_a_throttle_reply_pauses_and_cuts_the_learned_rate_not_backoff_mode():
     shaper = shaper_at()
+    assert shaper.snapshot(0.0)["messages_per_minute"] == pytest.approx(120)  # slow start
     report(shaper, 0.0, THROTTLED)
-    assert shaper.snapshot(0.0)["messages_per_minute"] == 0
-    assert shaper.send_wait(0.0) == 0
+    snap = shaper.snapshot(0.0)
+    assert (snap["mode"], snap["learned"]["phase"]) == ("normal", "paused")
+    assert snap["messages_per_minute"] == pytest.approx(0.7 * 0.7 * 120)  # nothing measured
+    assert snap["learned"]["rate_reply"] == THROTTLED.line()
+    assert shaper.send_wait(0.0) == pytest.approx(5.0)  # the cool-down, for every connection
+    assert shaper.connect_wait(0.0, 0, 0, first_class=True) == pytest.approx(5.0)
+    assert shaper.retry_factor(0.0) == 1.0  # retries are not stretched
 
 
 def test_a_throttle_rule_threshold():
@@ -262,13 +272,38 @@ def test_a_bounce_shows_the_site_answering():
     assert shaper.concurrency.limit == 1
 
 
-def test_421_at_the_greeting_is_throttling_and_a_connection_failure():
-    shaper = shaper_at()
-    report(shaper, 0.0, TOO_MANY, times=2)
+def test_too_many_connections_at_the_greeting_caps_concurrency_not_the_host():
+    shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=8))
+    for _ in range(5):  # the 4th refused (4 open, this one included), in one episode
+        shaper.result(0.0, TOO_MANY, classify(TOO_MANY), active=4)
     snap = shaper.snapshot(0.0)
-    assert (snap["mode"], snap["circuit"], snap["limit"]) == ("backoff", "closed", 1)
-    report(shaper, 1.0, TOO_MANY)
-    assert shaper.snapshot(1.0)["circuit"] == "open"
+    assert (snap["mode"], snap["circuit"], snap["limit"], snap["max"]) == (
+        "normal",
+        "closed",
+        3,
+        3,
+    )
+    assert snap["learned"]["concurrency"] == 3
+    assert snap["learned"]["concurrency_reply"] == TOO_MANY.line()
+    # The rate is as it was; the refusal pauses (strict sites list a client that goes on).
+    assert snap["messages_per_minute"] == pytest.approx(120)
+    assert shaper.send_wait(0.0) == pytest.approx(5.0)
+    assert shaper.learned().concurrency == 3  # remembered
+
+
+def test_a_throttle_rule_hit_is_a_throttle_signal():
+    rule = ThrottleRule(match="(?i)temporarily deferred", threshold=1)
+    shaper = shaper_at(throttle_rules=[rule])
+    report(shaper, 0.0, Reply("mail", 451, "4.3.0", "Temporarily deferred"))
+    assert shaper.snapshot(0.0)["learned"]["phase"] == "paused"
+    assert shaper.send_wait(0.0) > 0
+
+
+def test_a_refused_421_greeting_with_nothing_open_paces_without_tripping():
+    shaper = shaper_at()
+    report(shaper, 0.0, TOO_MANY, times=10)
+    assert shaper.snapshot(0.0)["circuit"] == "closed"
+    assert shaper.connect_wait(0.0, 0, 0, first_class=True) > 0  # cooling down
 
 
 def test_timeouts_count_in_any_phase():
@@ -312,7 +347,12 @@ def test_silent_throttling_cuts_concurrency():
     assert shaper.concurrency.limit == 8
     shaper.latency(6.0, 2.0)
     assert shaper.concurrency.limit == 4
-    assert shaper.snapshot(6.0)["mode"] == "normal"  # a cut, not backoff mode
+    snap = shaper.snapshot(6.0)
+    assert snap["mode"] == "normal"  # a cut, not backoff mode
+    # ... and a throttle signal for the learned rate: a pause and a cut.
+    assert snap["learned"]["phase"] == "paused"
+    assert snap["learned"]["rate_reply"].startswith("latency 2.000s over a 0.")
+    assert snap["messages_per_minute"] < 120
 
 
 # -- release after a reopening ---------------------------------------------------------------
@@ -353,9 +393,10 @@ def test_override_and_its_expiry():
     assert shaper.connect_wait(50.0, 1, 0, True) == math.inf
     shaper.sent(50.0)
     assert shaper.send_wait(50.0) == 0  # the burst
-    # Expired: the configured limits are back (the limit grows back by successes).
+    # Expired: the configured limits are back (the limit grows back by successes), and
+    # with no configured rate the learned one (slow start, 120/min) paces.
     snap = shaper.snapshot(100.0)
-    assert (snap["max"], snap["messages_per_minute"], snap["override"]) == (4, 0, None)
+    assert (snap["max"], snap["messages_per_minute"], snap["override"]) == (4, 120, None)
     assert shaper.send_wait(100.0) == 0
 
 
@@ -371,8 +412,25 @@ def test_override_may_raise_the_ceiling_and_be_cleared():
 def test_backoff_scales_an_override():
     shaper = shaper_at()
     shaper.override(0.0, rate_per_minute=100, concurrency=None, until=None)
-    report(shaper, 0.0, THROTTLED)
+    shaper.force_backoff(0.0, until=10.0)
     assert shaper.snapshot(0.0)["messages_per_minute"] == pytest.approx(25)
+
+
+def test_the_learned_rate_stays_under_the_ceiling_and_0_is_none():
+    shaper = shaper_at(pacing=Pacing(messages_per_minute=30))
+    assert shaper.snapshot(0.0)["messages_per_minute"] == pytest.approx(30)
+    shaper.override(0.0, rate_per_minute=0, concurrency=None, until=None)
+    assert shaper.snapshot(0.0)["messages_per_minute"] == pytest.approx(120)  # still paced
+
+
+def test_an_operators_concurrency_replaces_the_learned_cap():
+    shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=8))
+    shaper.result(0.0, TOO_MANY, classify(TOO_MANY), active=3)
+    assert shaper.snapshot(0.0)["max"] == 2
+    shaper.override(0.0, rate_per_minute=None, concurrency=6, until=None)
+    assert shaper.snapshot(0.0)["max"] == 6
+    shaper.override(0.0, rate_per_minute=None, concurrency=None, until=None)
+    assert shaper.snapshot(0.0)["max"] == 2  # what was learned is still there
 
 
 def test_override_refuses_nonsense():
@@ -513,10 +571,19 @@ class Shaper(RuleBasedStateMachine):
     def circuit_and_admission_agree(self):
         snap = self.shaper.snapshot(self.now)
         wait = self.shaper.connect_wait(self.now, 0, 0, True)
+        cooling = self.shaper.learner.wait(self.now)
         if snap["circuit"] == "open":
-            assert wait == pytest.approx(snap["reopen_at"] - self.now)
+            assert wait == pytest.approx(max(snap["reopen_at"] - self.now, cooling))
         elif snap["circuit"] == "closed":
-            assert wait == 0
+            assert wait == cooling
+
+    @invariant()
+    def a_cool_down_holds_every_connection(self):
+        """While a throttle episode cools down, no message and no connection goes."""
+        cooling = self.shaper.learner.wait(self.now)
+        if cooling:
+            assert self.shaper.send_wait(self.now) >= cooling
+            assert self.shaper.connect_wait(self.now, 0, 0, True) >= cooling
 
     @invariant()
     def sends_never_beat_the_rate(self):
@@ -533,7 +600,7 @@ def test_at_rest_only_with_nothing_to_remember():
     assert shaper.at_rest(0.0)
     shaper.override(0.0, rate_per_minute=6, concurrency=None, until=10.0)
     assert not shaper.at_rest(5.0) and shaper.at_rest(10.0)  # until the override ends
-    report(shaper, 20.0, THROTTLED)
+    shaper.force_backoff(20.0, 30.0)
     assert not shaper.at_rest(20.0)  # backoff mode
     shaper.force_backoff(21.0, 21.0)  # back to normal
     for _ in range(5):

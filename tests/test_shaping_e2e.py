@@ -148,7 +148,10 @@ def test_domains_lists_mail_deferred_on_a_suspended_host(provider):
     assert host in ("mx.provider.test", f"mx.provider.test:{provider.mx.port}")  # port or not
     text = daemon.ctl("domains").stdout
     assert "  deferred    p2 1" in text and f"  suspended   {host} until" in text
-    assert "  rates       unlimited messages, unlimited connections" in text
+    # No rate configured: the learned one paces, from the slow start.
+    assert "  rates       120/min messages, unlimited connections" in text
+    assert "  learned     rate 120/min (slow-start, probing)" in text
+    assert "    taught by nothing yet (slow start)" in text
     # After a restart nothing has routed it yet: it is listed by its domain.
     daemon.restart()
     (dest,) = ctl_json(daemon, "domains")
@@ -192,13 +195,13 @@ def test_breaker_opens_then_probes_and_recovers(provider):
     assert len(times) == 4 and times[-1] - times[0] >= 2 * 2 / 3 - 0.1
 
 
-def test_throttling_puts_the_destination_in_backoff(provider):
+def test_throttling_cuts_the_learned_rate_without_backoff_mode(provider):
     provider.mx.on(
         "mail",
         "421 4.7.28 Our system has detected an unusual rate of mail; temporarily rate limited",
         times=2,
     )
-    daemon = provider.daemon("shaping.backoff_duration=1h", 'retry.schedule=["1s"]')
+    daemon = provider.daemon('retry.schedule=["1s"]')
     for i in range(3):
         send_class(daemon, "p1", f"t{i}@example.org")
     throttled = wait_for(
@@ -206,9 +209,16 @@ def test_throttling_puts_the_destination_in_backoff(provider):
         what="a throttling reply",
     )
     assert throttled[0]["outcome"] == "transient"
+    (learned,) = wait_for(
+        lambda: [e for e in events(daemon, "limit_learned") if e["new"] < e["old"]],
+        what="the learned rate cut",
+    )
+    assert learned["what"] == "rate" and learned["reply"].startswith("421 4.7.28")
+    assert learned["new"] < 120  # under the slow start it was sent at
     (dest,) = ctl_json(daemon, "domains")
-    assert dest["mode"] == "backoff" and dest["stage"] >= 1
-    assert dest["limit"] <= 2  # concurrency cut
+    assert dest["mode"] == "normal"  # retries are not stretched
+    assert dest["learned"]["rate_reply"].startswith("421 4.7.28")
+    assert dest["messages_per_minute"] == pytest.approx(dest["learned"]["rate_per_minute"])
     wait_for(lambda: not daemon.messages(), timeout=30, what="delivery after the throttling")
 
 
@@ -227,6 +237,24 @@ def test_restart_with_an_overdue_backlog_sends_p0_first(provider):
     assert received[0].rcpt_tos == ["reset@example.org"]
     times = [m.time for m in received]
     assert times[-1] - times[1] > 1.0  # the bulk was spread out, not a herd
+
+
+def test_the_first_class_is_one_class_everywhere(provider):
+    """Two classes at the lowest priority: the one the queue serves first is the one the
+    restart does not spread (the same rule everywhere: the name that sorts first)."""
+    daemon = provider.daemon(
+        "delivery.enabled=false",
+        "classes.a.priority=0",
+        "shaping.default.max_connections=1",
+        "shaping.default.initial_connections=1",
+        "shaping.default.reserved_p0=0",
+        "retry.restart_spread=0s",
+    )
+    for i in range(5):
+        send_class(daemon, "p0", f"p0-{i}@example.org")
+    send_class(daemon, "a", "first@example.org")
+    received = provider.drain(daemon)
+    assert received[0].rcpt_tos == ["first@example.org"]
 
 
 def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
@@ -262,6 +290,32 @@ def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
     mx.wait_for(lambda: len(mx.messages) >= delivered + 20, timeout=5)  # bulk goes on
     assert mx.active <= 2
     wait_for(lambda: not daemon.messages(), timeout=30, what="the backlog to drain")
+
+
+def test_the_connection_rate_holds_for_every_connection(start_daemon):
+    """connections_per_minute counts every connection a slot opens: the first, one after
+    messages_per_connection, and one to the next MX host when the first fails."""
+    with MailNet(["127.0.0.2", "127.0.0.3", "127.0.0.9"]) as net:
+        mx1, mx2, _ = net.peers
+        net.add_domain("example.org", "127.0.0.2", "127.0.0.3")
+        net.add_domain("sender.test", "127.0.0.9")
+        mx1.banner = "421 4.3.2 service not available"
+        daemon = start_daemon(
+            *net.daemon_overrides(),
+            *FAST,
+            "shaping.default.connections_per_minute=3",
+            "shaping.default.burst=3",
+            "shaping.default.messages_per_connection=1",
+            "shaping.default.initial_connections=1",
+            "shaping.default.max_connections=1",
+        )
+        for i in range(5):
+            send_class(daemon, "p1", f"r{i}@example.org")
+        mx2.wait_messages(2)
+        time.sleep(6)  # the fourth token is 20 s away
+        # mx1 refused one, mx2 took two: the burst of 3; old code: 6 connections at once.
+        assert (mx1.connections, mx2.connections) == (1, 2)
+        assert len(mx2.messages) == 2
 
 
 def test_tenants_take_turns_within_a_class(provider):

@@ -278,6 +278,8 @@ def _domains_show(reply: Reply, out: TextIO) -> None:
                 if override.get("until"):
                     limits.append(f"until {_time(override['until'])}")
                 out.write(f"  override    {', '.join(limits)}\n")
+            if learned := d.get("learned"):
+                _learned_show(learned, out)
             circuit = d.get("circuit")
             if circuit == "open" and d.get("reopen_at"):
                 circuit += f" until {_time(d['reopen_at'])}"
@@ -290,6 +292,22 @@ def _domains_show(reply: Reply, out: TextIO) -> None:
             out.write(f"  4xx rate    {d.get('deferral_rate') or 0:.0%} (last 10 minutes)\n")
         for line in d.get("last_replies", []):
             out.write(f"  last        {line}\n")
+
+
+def _learned_show(learned: dict, out: TextIO) -> None:
+    """What the destination taught: its rate and connection cap, and by which reply."""
+    phase = learned.get("phase", "")
+    if learned.get("paused_until"):
+        phase = f"paused until {_time(learned['paused_until'])}"
+    probing = ", probing" if learned.get("probing") else ""
+    out.write(f"  learned     rate {learned['rate_per_minute']:.4g}/min ({phase}{probing})")
+    if learned.get("good_per_minute"):
+        out.write(f", it took {learned['good_per_minute']:.4g}/min")
+    out.write("\n")
+    out.write(f"    taught by {learned.get('rate_reply') or 'nothing yet (slow start)'}\n")
+    if learned.get("concurrency"):
+        out.write(f"  learned     at most {learned['concurrency']} connections\n")
+        out.write(f"    taught by {learned.get('concurrency_reply')}\n")
 
 
 def _qshape_options(parser: argparse.ArgumentParser) -> None:

@@ -7,14 +7,12 @@ group_by = "domain" every domain is its own destination.
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter, deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..config import Pacing
 from ..model import DEFERRED, QUEUED, Message
-from ..policy.fairness import FairQueue
 from ..policy.hosts import host_key
 from ..policy.replies import Reply
 from ..policy.shaper import DestinationShaper
@@ -46,19 +44,12 @@ class Destination:
         key: str,
         pacing: Pacing,
         shaper: DestinationShaper,
-        classes: dict[str, tuple[int, int]],
     ) -> None:
+        """Its ready queue and connections are the scheduler core's."""
         self.key = key
         self.pacing = pacing
         self.shaper = shaper
-        self.classes = classes
-        self.queue: FairQueue[WorkItem] = FairQueue(classes)
         self.domains: set[str] = set()
-        self.active = 0  # open connections (workers)
-        self.reserved = 0  # of which for first-class work only
-        self.idle = 0  # of which waiting for the next item
-        self.arrived = asyncio.Event()  # wakes idle workers: new work, or a lower limit
-        self.pump_at: asyncio.TimerHandle | None = None
         self.last_replies: deque[str] = deque(maxlen=5)
         self.waiting: set[str] = set()  # ids of messages routed here, perhaps still pending
         self._window: deque[tuple[float, int]] = deque()  # (time, reply class digit)
@@ -78,7 +69,10 @@ class Destination:
         recent = [c for t, c in self._window if t >= now - STATS_WINDOW]
         return sum(c == 4 for c in recent) / len(recent) if recent else 0.0
 
-    def snapshot(self, now: float, suspended: dict[str, float]) -> dict:
+    def snapshot(
+        self, now: float, suspended: dict[str, float], queued: dict[str, int], active: int
+    ) -> dict:
+        """`queued`: its waiting items by class; `active`: its connections."""
         shaping = self.shaper.snapshot(now)
         names, _, port = self.key.rpartition(":")  # destination_key's "names[:port]"
         if not port.isdigit():
@@ -88,8 +82,8 @@ class Destination:
             "destination": self.key,
             "routed": True,
             "domains": sorted(self.domains),
-            "queued": self.queue.depth(),
-            "active": self.active,
+            "queued": queued,
+            "active": active,
             **shaping,
             "suspended_hosts": {h: until for h, until in suspended.items() if h in hosts},
             "deferral_rate": round(self.deferral_rate(now), 3),

@@ -1,24 +1,23 @@
-"""The queue manager: when each message is due, and who delivers it, how fast.
+"""The queue manager: the asyncio driver of the scheduler core (scheduler/core.py).
 
-Data path: a due message's pending recipients are grouped by next hop, routed
-(MX lookup), and queued as work items in their destination (the MX host set).
-A destination's queue is fair (policy/fairness.py: the first class first, the
-others by weight, tenants fairly) and its shaper (policy/shaper.py) decides when
-a new connection may open and a message may start: concurrency, rates, backoff
-mode, circuit breaker. Mail that waits for pacing is not charged an attempt.
-Each worker owns one connection and takes the next item when it is done.
+The core decides: when each message is due, which connection opens and which message
+goes on which connection, each permitted by the destination's shaper (policy/shaper.py:
+concurrency, rates, backoff mode, circuit breaker) in that one place. This driver does
+the I/O it asks for (routing, SMTP through delivery/sender.py, the spool), settles what
+each attempt got (policy/settle.py) and tells the core. Data path: a due message's
+pending recipients are grouped by next hop, routed (MX lookup), and queued as work items
+in their destination (the MX host set). Mail that waits for pacing is not charged an
+attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
-import math
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -26,11 +25,12 @@ from .. import config
 from ..dsn import notice as dsn_notice
 from ..logs import get_logger
 from ..model import DEFERRED, QUEUED, Message
+from ..policy import rate_learner
 from ..policy.backoff import RetryPolicy, restart_due
-from ..policy.breaker import CLOSED, HALF_OPEN
+from ..policy.breaker import CLOSED
 from ..policy.buckets import TokenBucket
 from ..policy.classify import compile_rules
-from ..policy.fairness import FairQueue
+from ..policy.fairness import class_order
 from ..policy.hosts import HostSuspensions
 from ..policy.replies import Reply
 from ..policy.settle import (
@@ -45,19 +45,44 @@ from ..policy.settle import (
 from ..policy.shaper import DestinationShaper, ShaperState, pacing_for
 from ..routing.nexthop import NextHop, next_hop
 from ..routing.resolver import Resolver, Route, RouteFailure
+from ..scheduler.core import (
+    Action,
+    Close,
+    Connect,
+    Dispatch,
+    GiveUp,
+    Release,
+    Scheduler,
+    Send,
+    Wake,
+)
 from ..smtp.addresses import domain_of
 from ..smtp.client import ClientSettings, SmtpConnection
+from ..spool import statefile
 from ..spool.message_file import CorruptMessageFile
-from ..spool.store import Spool
+from ..spool.store import Spool, StorageError, StorageFull
 from .destination import Destination, WorkItem, destination_key, destinations_view
-from .sender import Outcome, Sender
+from .sender import Sender, Suspended
 
 log = get_logger("delivery")
 
 EXPIRY_CHECK = 30.0  # seconds between sweeps for mail whose lifetime has passed
 RECOVER_AFTER = 60.0  # retry delay after an unexpected error (a bug): not an attempt...
 UNCHARGED_WAITS = 1  # ... once: a repeated internal wait counts as an attempt
+DSN_RETRY = 5.0  # seconds between tries to store a DSN the spool refused (a full disk)
 PENDING = (QUEUED, DEFERRED)
+
+
+@dataclass(slots=True)
+class _Link:
+    """The driver's side of one of the core's connection slots."""
+
+    destination: Destination
+    item: WorkItem | None  # in a connect or a transaction; None while idle
+    candidates: list[tuple[str, str]]  # (host, address) in order
+    tried: int = 0  # of the candidates
+    conn: SmtpConnection | None = None
+    failures: list[Result] = field(default_factory=list)  # of the connects that failed
 
 
 class DeliveryManager:
@@ -75,20 +100,23 @@ class DeliveryManager:
         self.rng = rng or random.Random()
         d = cfg.delivery
         self.hosts = HostSuspensions(d.host_suspend, d.host_suspend_max)
-        self._tenants: dict[str, TokenBucket] = {}
         self.destinations: dict[str, Destination] = {}
+        self.core: Scheduler[WorkItem] | None = None
         self.on_delivery: Callable[[dict], None] | None = None  # each "delivery" event
         self.on_connect: Callable[[str, float], None] | None = None  # destination, seconds
         self.reconfigure(cfg)
-        self.active_workers = 0
         self._overrides: dict[str, Callable[[DestinationShaper, float], None]] = {}
-        self._heap: list[tuple[float, int, str]] = []
-        self._seq = itertools.count()
+        self._links: dict[int, _Link] = {}  # the core's slots, by connection id
+        self._timer: asyncio.TimerHandle | None = None
         self._busy: dict[str, set[int]] = {}  # message id -> recipients routed/queued/in transit
         self._waits: dict[str, int] = {}  # message id -> internal waits since its last attempt
-        self._wake = asyncio.Event()
         self._tasks: set[asyncio.Future] = set()
         self._closing = False
+        # What destinations taught (rate_learner.Learned by destination key): loaded at
+        # start, given to each destination when it appears, saved every EXPIRY_CHECK.
+        self._learned: dict[str, rate_learner.Learned] = {}
+        self._saved = b""
+        self._started = False  # not started (delivery.enabled = false): nothing to save
 
     def reconfigure(self, cfg: config.Config) -> None:
         """Take new settings (start, or a reload): may raise ConfigError before changing
@@ -99,7 +127,7 @@ class DeliveryManager:
         client = ClientSettings(d.helo_name or self.hostname, d.timeouts, d.tls)
         self.sender = Sender(client, rules, self.hosts, d)
         self.classes = {name: (c.priority, c.weight) for name, c in cfg.classes.items()}
-        self.first_class = min(self.classes, key=lambda n: (self.classes[n][0], n))
+        self.first_class = class_order({n: c.priority for n, c in cfg.classes.items()})[0]
         self.settle_settings = {
             name: SettleSettings(
                 retry=RetryPolicy.from_config(cfg.retry, first_class=name == self.first_class),
@@ -110,10 +138,24 @@ class DeliveryManager:
             )
             for name, c in cfg.classes.items()
         }
-        self.rate = TokenBucket(config.parse_rate(d.max_rate), 1, now) if d.max_rate else None
+        rate = TokenBucket(config.parse_rate(d.max_rate), 1, now) if d.max_rate else None
         tenant_rate = cfg.shaping.tenant_rate
-        self.tenant_rate = config.parse_rate(tenant_rate) if tenant_rate else 0.0
+        tenant_rate = config.parse_rate(tenant_rate) if tenant_rate else 0.0
         self.cfg = cfg
+        if self.core is None:
+            self.core = Scheduler(
+                self.classes,
+                max_connections=d.max_connections,
+                connection_idle=d.connection_idle,
+                rate=rate,
+                tenant_rate=tenant_rate,
+            )
+        else:
+            core = self.core
+            core.max_connections, core.connection_idle = d.max_connections, d.connection_idle
+            core.rate, core.tenant_rate = rate, tenant_rate
+            if core.classes != self.classes:
+                core.reclassify(self.classes)
         for destination in self.destinations.values():
             self._repace(destination, now)
 
@@ -124,14 +166,14 @@ class DeliveryManager:
         pacing = pacing_for(self.cfg.shaping, domain, hosts)
         if pacing != destination.pacing:
             destination.pacing = pacing
-            destination.shaper = DestinationShaper(pacing, self.cfg.shaping, now)
-        if destination.classes != self.classes:
-            items = destination.queue.remove(lambda item: True)
-            destination.classes = self.classes
-            destination.queue = FairQueue(self.classes)
-            for item in items:
-                klass = item.klass if item.klass in self.classes else self.first_class
-                destination.queue.push(item, klass, item.tenant)
+            learned = destination.shaper.learned()
+            destination.shaper = DestinationShaper(pacing, self.cfg.shaping, now, learned)
+            self._core.add_destination(destination.key, destination.shaper, pacing)
+
+    @property
+    def _core(self) -> Scheduler[WorkItem]:
+        assert self.core is not None  # made by reconfigure in __init__
+        return self.core
 
     def _settings(self, klass: str) -> SettleSettings:
         # A class removed by a reload: its queued mail follows the default class.
@@ -145,6 +187,8 @@ class DeliveryManager:
     def start(self) -> None:
         """Schedule the queue and run. Due times survive restarts; mail that became due
         meanwhile is spread over retry.restart_spread, except the first class (p0)."""
+        self._learned = self._load_learned()
+        self._started = True
         now = time.time()
         spread = self.cfg.retry.restart_spread
         for message in self.spool.messages.values():
@@ -152,21 +196,24 @@ class DeliveryManager:
             if due is not None:
                 window = 0.0 if message.klass == self.first_class else spread
                 self._schedule(message.id, restart_due(due, now, window, self.rng))
-        self._spawn(self._timer())
         self._spawn(self._expiry_sweep())
 
     async def close(self, grace: float) -> None:
         """Stop dispatching; let attempts in progress finish for up to `grace` seconds."""
         self._closing = True
-        self._wake.set()
-        for destination in self.destinations.values():
-            destination.arrived.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        for link in self._links.values():  # idle connections go now
+            if link.conn is not None and link.item is None:
+                self._spawn(link.conn.quit())
         deadline = time.monotonic() + grace
-        while self.active_workers and time.monotonic() < deadline:
+        while self._in_transit() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._started:
+            self._save_learned(self._learned_data(time.time()))
 
     def on_accepted(self, message: Message) -> None:
         """A new message is durable: due now."""
@@ -175,30 +222,72 @@ class DeliveryManager:
     # -- timing ------------------------------------------------------------------------
 
     def _schedule(self, message_id: str, due: float) -> None:
-        heapq.heappush(self._heap, (due, next(self._seq), message_id))
-        if self._heap[0][2] == message_id:
-            self._wake.set()
+        self._act(self._core.schedule(time.time(), message_id, due))
 
-    async def _timer(self) -> None:
-        while not self._closing:
-            now = time.time()
-            # Everything due now is routed together: one lookup per next hop, not one per
-            # message (a restart can make thousands due in the same moment).
-            batch: dict[NextHop, list[tuple[Message, list[int]]]] = {}
-            while self._heap and self._heap[0][0] <= now:
-                _, _, message_id = heapq.heappop(self._heap)
-                try:
-                    self._dispatch(message_id, now, batch)
-                except Exception as exc:  # one bad record must not stop all delivery
-                    log.exception("dispatch_failed", id=message_id)
-                    self._busy.pop(message_id, None)
-                    self._retry_later(message_id, None, exc)
-            for hop, work in batch.items():
-                self._spawn(self._route(hop, work))
-            timeout = self._heap[0][0] - now if self._heap else None
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+    def _tick(self) -> None:
+        self._timer = None
+        self._act(self._core.tick(time.time()))
+
+    def _act(self, actions: list[Action]) -> None:
+        """Do what the core decided."""
+        for action in actions:
+            if isinstance(action, Wake):
+                if self._timer is not None:
+                    self._timer.cancel()
+                if not self._closing:
+                    delay = max(0.0, action.at - time.time())
+                    self._timer = asyncio.get_running_loop().call_later(delay, self._tick)
+            elif isinstance(action, Dispatch):
+                self._dispatch_due(action.message_ids)
+            elif isinstance(action, Connect | Send) and self._closing:
+                continue  # no new connection or message while stopping
+            elif isinstance(action, Connect):
+                self._spawn(self._guard(action.conn, action.item, self._open(action)))
+            elif isinstance(action, Send):
+                work = self._send(action.conn, action.item)
+                self._spawn(self._guard(action.conn, action.item, work))
+            elif isinstance(action, Close):
+                link = self._links.pop(action.conn, None)
+                if link is not None and link.conn is not None:
+                    self._spawn(link.conn.quit())
+                if link is not None:
+                    self._retire(link.destination)
+            elif isinstance(action, GiveUp):
+                self._give_up(action.conn)
+            elif isinstance(action, Release):
+                self._release(action)
+
+    async def _guard(self, conn: int, item: WorkItem, work) -> None:
+        """A bug in the driver must not strand a slot or an item: the slot ends, the item
+        is retried later (uncharged once)."""
+        try:
+            await work
+        except Exception as exc:
+            log.exception("attempt_failed", id=item.message_id)
+            link = self._links.pop(conn, None)
+            if link is not None and link.conn is not None:
+                link.conn.abort()
+            with contextlib.suppress(KeyError):  # the slot may have ended already
+                self._act(self._core.abandon(time.time(), conn))
+            self._retry_later(item.message_id, item.indexes, exc)
+
+    def _in_transit(self) -> bool:
+        return any(link.item is not None for link in self._links.values())
+
+    def _dispatch_due(self, message_ids: tuple[str, ...]) -> None:
+        """Everything due now is routed together: one lookup per next hop, not one per
+        message (a restart can make thousands due in the same moment)."""
+        now = time.time()
+        batch: dict[NextHop, list[tuple[Message, list[int]]]] = {}
+        for message_id in message_ids:
+            try:
+                self._dispatch(message_id, now, batch)
+            except Exception as exc:  # one bad record must not stop all delivery
+                log.exception("dispatch_failed", id=message_id)
+                self._busy.pop(message_id, None)
+                self._retry_later(message_id, None, exc)
+        for hop, work in batch.items():
+            self._spawn(self._route(hop, work))
 
     async def _expiry_sweep(self) -> None:
         while not self._closing:
@@ -208,6 +297,35 @@ class DeliveryManager:
             # bounced, expired) or whose stats window passed are forgotten here.
             for destination in list(self.destinations.values()):
                 self._retire(destination)
+            data = self._learned_data(time.time())
+            if data != self._saved:
+                await asyncio.to_thread(self._save_learned, data)
+
+    def _load_learned(self) -> dict[str, rate_learner.Learned]:
+        try:
+            data = statefile.read(self.spool.layout.learned)
+            return rate_learner.decode(data) if data else {}
+        except (OSError, ValueError) as exc:  # learning starts over: nothing is lost
+            log.warning("learned_unreadable", error=str(exc))
+            return {}
+
+    def _learned_data(self, now: float) -> bytes:
+        """The state file: live destinations' lessons over the remembered ones, without
+        those forgotten by now or that taught nothing."""
+        live = {key: d.shaper.learned() for key, d in self.destinations.items()}
+        learned = {**self._learned, **live}
+        self._learned = {
+            key: lesson for key, lesson in learned.items() if rate_learner.kept(lesson, now)
+        }
+        return rate_learner.encode(self._learned)
+
+    def _save_learned(self, data: bytes) -> None:
+        try:
+            statefile.write_atomic(self.spool.layout.learned, data)
+        except OSError as exc:  # kept in memory; the next sweep tries again
+            log.warning("learned_save_failed", error=str(exc))
+            return
+        self._saved = data
 
     def expire(self, now: float) -> None:
         """Expire mail whose lifetime has passed, whatever it waits for (pacing included)."""
@@ -266,6 +384,7 @@ class DeliveryManager:
             except Exception as exc:
                 log.exception("routing_failed", id=message.id, hop=hop.host)
                 self._retry_later(message.id, indexes, exc)
+        self._act(self._core.tick(time.time()))  # the batch is queued: it may go
 
     def _retry_later(
         self, message_id: str, indexes: list[int] | None, error: Exception | None
@@ -315,160 +434,207 @@ class DeliveryManager:
             item = WorkItem(
                 message.id, indexes[start : start + size], route, message.klass, message.tenant
             )
-            klass = message.klass if message.klass in self.classes else self.first_class
-            destination.queue.push(item, klass, message.tenant)
-        destination.arrived.set()
-        self._pump(destination)
+            self._core.enqueue(now, key, item, message.klass, message.tenant, run=False)
 
     def _new_destination(self, key: str, domain: str, route, now: float) -> Destination:
         shaping = self.cfg.shaping
         pacing = pacing_for(shaping, domain, [h.name for h in route.hosts])
-        shaper = DestinationShaper(pacing, shaping, now)
-        destination = Destination(key, pacing, shaper, self.classes)
+        shaper = DestinationShaper(pacing, shaping, now, self._learned.get(key))
+        destination = Destination(key, pacing, shaper)
         for name in (key, domain):
             if name in self._overrides:
                 self._overrides[name](destination.shaper, now)
         self.destinations[key] = destination
+        self._core.add_destination(key, shaper, pacing)
         return destination
 
-    def _pump(self, destination: Destination) -> None:
-        """Open connections while the destination has waiting mail and its shaper allows."""
-        if destination.pump_at is not None:
-            destination.pump_at.cancel()
-            destination.pump_at = None
-        shaper = destination.shaper
-        while len(destination.queue) > destination.idle and not self._closing:
-            if self.active_workers >= self.cfg.delivery.max_connections:
-                return  # a finishing worker calls _restaff
-            now = time.time()
-            active, reserved = destination.active, destination.reserved
-            wait = shaper.connect_wait(now, active, reserved, first_class=False)
-            first_class = False
-            if wait > 0 and destination.queue.first_class_waiting():
-                # The ordinary connections are busy or paced: first-class mail may use a
-                # reserved slot.
-                reserved_wait = shaper.connect_wait(now, active, reserved, first_class=True)
-                first_class, wait = reserved_wait == 0, min(wait, reserved_wait)
-            if wait > 0:
-                if wait != math.inf:
-                    loop = asyncio.get_running_loop()
-                    destination.pump_at = loop.call_later(wait, self._pump, destination)
+    # -- connections and transactions (asked for by the core) ------------------------------
+
+    async def _open(self, action: Connect) -> None:
+        """Open one connection for the core: to the next host not tried for this slot."""
+        now = time.time()
+        item: WorkItem = action.item
+        link = self._links.get(action.conn)
+        if link is None:  # the slot's first connect
+            destination = self.destinations[action.destination]
+            message = self.spool.messages.get(item.message_id)
+            candidates = self.sender.candidates(item.route, now)
+            if message is None or message.held or isinstance(candidates, Suspended):
+                self._act(self._core.abandon(now, action.conn))
+                if isinstance(candidates, Suspended) and message is not None:
+                    self._suspended(destination, item, candidates)
+                else:
+                    self._unbusy(item.message_id, item.indexes)
                 return
-            shaper.connected(now)
-            destination.active += 1
-            destination.reserved += first_class
-            self.active_workers += 1
-            self._spawn(self._worker(destination, first_class))
-
-    def _restaff(self) -> None:
-        """A connection slot came free: give it to a destination with waiting mail."""
-        for destination in list(self.destinations.values()):
-            if len(destination.queue) > destination.idle:
-                self._pump(destination)
-
-    async def _worker(self, destination: Destination, first_class: bool) -> None:
-        """One connection's life: take work from the destination's queue (first-class work
-        only if `first_class`) while the shaper keeps it, then quit."""
-        conn: SmtpConnection | None = None
-        shaper = destination.shaper
+            link = self._links[action.conn] = _Link(destination, item, candidates)
+        link.item = item
+        host, ip = link.candidates[link.tried]
+        link.tried += 1
+        last_one = all(h == host for h, _ in link.candidates[link.tried :])
+        port = item.route.port
+        started = time.monotonic()
         try:
-            eligible = self._tenant_ready if self.tenant_rate else None
-            while not self._closing:
-                if not shaper.keeps(
-                    time.time(), destination.active, destination.reserved, first_class
-                ):
-                    break
-                waiting = (
-                    destination.queue.first_class_waiting()
-                    if first_class
-                    else len(destination.queue)
-                )
-                wait = self._send_wait(destination) if waiting else 0.0
-                if wait > 0:
-                    # Choose the item when it can go, not before: mail that arrives
-                    # meanwhile (p0) is taken first, and a lowered limit applies.
-                    await asyncio.sleep(wait)
-                    continue
-                item = destination.queue.pop(first_class_only=first_class, eligible=eligible)
-                if item is None and first_class:
-                    # The first-class work is done: go on as an ordinary connection if
-                    # there is room for one (checked above), else close.
-                    first_class = False
-                    destination.reserved -= 1
-                    continue
-                if item is None:
-                    if len(destination.queue) and eligible is not None:
-                        await asyncio.sleep(0.1)  # only capped tenants wait: not idle
-                        continue
-                    if conn is None or not await self._idle(destination):
-                        break
-                    continue
-                self._sent(destination, item.tenant)
-                try:
-                    conn = await self._attempt(destination, item, conn)
-                except Exception as exc:
-                    log.exception("attempt_failed", id=item.message_id)
-                    if conn is not None:
-                        conn.abort()
-                    conn = None
-                    self._attempt_failed(destination, item, exc)
-        finally:
-            # The slot is free from here: the QUIT below is one round trip.
-            destination.active -= 1
-            destination.reserved -= first_class
-            self.active_workers -= 1
-            if conn is not None:
-                await conn.quit()
+            opened = await self.sender.connect(host, ip, port, last_one)
+        except Exception as exc:  # a bug: the attempt counts, as a local error
+            log.exception("attempt_failed", id=item.message_id)
+            self._links.pop(action.conn, None)
+            self._act(self._core.abandon(time.time(), action.conn))
+            self._attempt_failed(link.destination, item, exc)
+            return
+        now = time.time()
+        if isinstance(opened, SmtpConnection):
+            link.conn = opened
+            latency = time.monotonic() - started
+            if self.on_connect is not None:
+                self.on_connect(link.destination.key, latency)
+            actions = self._core.connected(now, action.conn, latency)
+            self._learned_changes(link.destination, now)  # a latency far over the baseline
+            self._act(actions)
+            return
+        failed = self.sender.result(0, opened, host, None)
+        link.failures.append(failed)
+        link.destination.record(now, opened)
+        more = link.tried < len(link.candidates) and self.sender.tries_next(opened, last_one)
+        before = link.destination.shaper.state(now)
+        actions = self._core.connect_failed(
+            now, action.conn, more_hosts=more, reply=opened, verdict=failed.verdict
+        )
+        self._changed_since(link.destination, before, now, actions)
+        self._act(actions)
+
+    def _give_up(self, conn: int) -> None:
+        """No further host for this item now: it is settled with the last connect failure
+        (a failed attempt, as when every host failed)."""
+        link = self._links.pop(conn)
+        item, destination = link.item, link.destination
+        assert item is not None
+        reply = link.failures[-1].reply
+        host = link.failures[-1].remote_mta
+        results = [self.sender.result(i, reply, host, None) for i in item.indexes]
+        now = time.time()
+        self._finish(
+            item.message_id,
+            item.indexes,
+            results,
+            retry_factor=destination.shaper.retry_factor(now),
+            destination=destination.key,
+        )
+        self._retire(destination)
+
+    def _suspended(self, destination: Destination, item: WorkItem, wait: Suspended) -> None:
+        """Every host is suspended: an internal wait, not an attempt, once; suspended
+        again, that counts, with the reason (Postfix's "delivery temporarily
+        suspended"), and the next try follows the retry schedule."""
+        if self._uncharged_wait(item.message_id):
+            self._unbusy(item.message_id, item.indexes)
+            self._schedule(item.message_id, wait.until)
+            return
+        results = [self.sender.result(i, wait.reply, None, None) for i in item.indexes]
+        self._finish(item.message_id, item.indexes, results, destination=destination.key)
+
+    async def _send(self, conn: int, item: WorkItem) -> None:
+        """One transaction on an open connection, for the core."""
+        link = self._links[conn]
+        link.item = item
+        destination = link.destination
+        message = self.spool.messages.get(item.message_id)
+        assert link.conn is not None
+        if message is None or message.held:
+            self._unbusy(item.message_id, item.indexes)
+            self._done(conn, link, [])
+            return
+        if not self.sender.fits(link.conn, item.route, time.time()):
+            # An idle connection to a host since suspended, or not of this route: the
+            # item goes back to its queue and waits for a connection of its own.
+            self._done(conn, link, [], reusable=False)
+            self._act(self._core.enqueue(time.time(), destination.key, item, item.klass))
+            return
+        try:
+            content = self.spool.content(item.message_id)  # small, in the page cache
+        except (OSError, CorruptMessageFile) as exc:
+            log.error("message_unreadable", id=item.message_id, error=str(exc))
+            self._unbusy(item.message_id, item.indexes)
+            self._journal(self.spool.remove(item.message_id, f"unreadable: {exc}"), item.message_id)
+            self._done(conn, link, [])
+            return
+        try:
+            results = await self.sender.transaction(link.conn, message, item.indexes, content)
+            host = link.candidates[link.tried - 1][0]  # the one this connection went to
+            self.sender.judge_host(host, item.route.port, link.conn.ip, results)
+        except Exception as exc:
+            log.exception("attempt_failed", id=item.message_id)
+            link.conn.abort()
+            self._done(conn, link, [], reusable=False)
+            self._attempt_failed(destination, item, exc)
+            return
+        now = time.time()
+        for result in {id(r.reply): r for r in results}.values():
+            destination.record(now, result.reply)
+        self._finish(
+            item.message_id,
+            item.indexes,
+            results,
+            retry_factor=destination.shaper.retry_factor(now),
+            destination=destination.key,
+        )
+        self._done(conn, link, results)
+
+    def _done(
+        self, conn: int, link: _Link, results: list[Result], reusable: bool | None = None
+    ) -> None:
+        """Tell the core a transaction is over (its replies are the shaper's feedback)."""
+        now = time.time()
+        assert link.conn is not None
+        usable = self.sender.reusable(link.conn) if reusable is None else reusable
+        if not usable:
+            self._links.pop(conn, None)
+            self._spawn(link.conn.quit())
+        link.item = None
+        destination = link.destination
+        before = destination.shaper.state(now)
+        try:
+            replies = [(r.reply, r.verdict) for r in results]
+            actions = self._core.done(now, conn, reusable=usable, replies=replies)
+        except Exception:  # pacing is advice: what the attempt got is recorded already
+            log.exception("feedback_failed", destination=destination.key)
+            actions = []
+        self._changed_since(destination, before, now, actions)
+        self._act(actions)
+        if not usable:
             self._retire(destination)
-            self._restaff()
 
-    def _tenant_ready(self, tenant: str | None) -> bool:
-        """Whether a tenant may send now under shaping.tenant_rate."""
-        if tenant is None:
-            return True
-        now = time.time()
-        bucket = self._tenants.get(tenant)
-        if bucket is None:
-            bucket = self._tenants[tenant] = TokenBucket(self.tenant_rate, 1, now)
-        return bucket.wait(now) == 0
+    def _changed_since(
+        self, destination: Destination, before: ShaperState, now: float, actions: list[Action]
+    ) -> None:
+        after = destination.shaper.state(now)
+        if after != before:
+            released = sum(len(a.items) for a in actions if isinstance(a, Release))
+            self._changed(destination, after, released)
+        self._learned_changes(destination, now)
 
-    async def _idle(self, destination: Destination) -> bool:
-        """Keep the connection a moment for more mail; False when none came."""
-        destination.arrived.clear()
-        destination.idle += 1
-        try:
-            await asyncio.wait_for(destination.arrived.wait(), self.cfg.delivery.connection_idle)
-        except TimeoutError:
-            return False
-        finally:
-            destination.idle -= 1
-        return True
-
-    def _send_wait(self, destination: Destination) -> float:
-        """Seconds until the destination's and the global message rates let one more
-        message go (pacing, not an attempt)."""
-        now = time.time()
-        wait = destination.shaper.send_wait(now)
-        if self.rate is not None:
-            wait = max(wait, self.rate.wait(now))
-        return wait
-
-    def _sent(self, destination: Destination, tenant: str | None) -> None:
-        now = time.time()
-        destination.shaper.sent(now)
-        if self.rate is not None:
-            self.rate.take(now)
-        if tenant is not None and self.tenant_rate:
-            self._tenants[tenant].take(now)
+    def _learned_changes(self, destination: Destination, now: float) -> None:
+        """Log the learned limits that moved (`limit_learned`)."""
+        shaper = destination.shaper
+        for change in shaper.changes():
+            rate = change.what == "rate"  # logged per minute, as configured
+            log.info(
+                "limit_learned",
+                destination=destination.key,
+                what=change.what,
+                old=round(change.old * 60, 2) if rate else change.old,
+                new=round(change.new * 60, 2) if rate else change.new,
+                reply=change.reply,
+                probing=shaper.probing(now),
+            )
 
     def _retire(self, destination: Destination) -> None:
         """Forget a destination with nothing to do and nothing to remember: its shaper at
         rest, no replies in its stats window and no mail routed to it still waiting (a
         deferred message keeps its destination's state in `mtaqueue-ctl domains`)."""
         now = time.time()
-        idle = not destination.active and not len(destination.queue)
         quiet = destination.shaper.at_rest(now) and not destination.recent(now)
-        if idle and quiet and not self._still_waiting(destination):
+        if quiet and not self._still_waiting(destination) and self._core.forget(destination.key):
+            self._learned[destination.key] = destination.shaper.learned()
             self.destinations.pop(destination.key, None)
 
     def _still_waiting(self, destination: Destination) -> bool:
@@ -484,50 +650,7 @@ class DeliveryManager:
             destination.waiting.discard(message_id)
         return False
 
-    # -- one attempt --------------------------------------------------------------------
-
-    async def _attempt(
-        self, destination: Destination, item: WorkItem, conn: SmtpConnection | None
-    ) -> SmtpConnection | None:
-        message = self.spool.messages.get(item.message_id)
-        if message is None or message.held:
-            self._unbusy(item.message_id, item.indexes)
-            return conn
-        try:
-            content = self.spool.content(item.message_id)  # small, in the page cache
-        except (OSError, CorruptMessageFile) as exc:
-            log.error("message_unreadable", id=item.message_id, error=str(exc))
-            self._unbusy(item.message_id, item.indexes)
-            self.spool.remove(item.message_id, f"unreadable: {exc}")
-            return conn
-        per_connection = destination.pacing.messages_per_connection
-        outcome = await self.sender.send(
-            message, item.indexes, item.route, content, conn, per_connection
-        )
-        now = time.time()
-        try:
-            self._feedback(destination, outcome, now)
-        except Exception:  # pacing is advice: what the attempt got must still be recorded
-            log.exception("feedback_failed", destination=destination.key)
-        if outcome.wait_until is not None:
-            if self._uncharged_wait(item.message_id):
-                # Every host is suspended: an internal wait, not an attempt.
-                self._unbusy(item.message_id, item.indexes)
-                self._schedule(item.message_id, outcome.wait_until)
-                return outcome.conn
-            # Suspended again: that counts, with the reason (Postfix's "delivery
-            # temporarily suspended"), and the next try follows the retry schedule.
-            reply = outcome.suspended
-            assert reply is not None
-            outcome.results = [self.sender.result(i, reply, None, None) for i in item.indexes]
-        self._finish(
-            item.message_id,
-            item.indexes,
-            outcome.results,
-            retry_factor=destination.shaper.retry_factor(now),
-            destination=destination.key,
-        )
-        return outcome.conn
+    # -- failures of ours ---------------------------------------------------------------
 
     def _attempt_failed(self, destination: Destination, item: WorkItem, exc: Exception) -> None:
         """An attempt raised (a bug of ours outside the SMTP client, which reports its own):
@@ -548,40 +671,12 @@ class DeliveryManager:
             message = self.spool.messages.get(message_id)
             if message is not None:
                 with contextlib.suppress(Exception):  # logged above; it waits for a restart
-                    self.spool.update(msgspec.structs.replace(message, held=True))
+                    held = msgspec.structs.replace(message, held=True)
+                    self._journal(self.spool.update(held), message_id)
 
-    def _feedback(self, destination: Destination, outcome: Outcome, now: float) -> None:
-        """Tell the destination's shaper what an attempt showed, and act on what changed."""
-        shaper = destination.shaper
-        before, limit = shaper.state(now), shaper.concurrency.limit
-        for _ in range(outcome.connect_failures):
-            shaper.connect_failed(now)
-        if outcome.latency is not None:
-            shaper.latency(now, outcome.latency)
-            if self.on_connect is not None:
-                self.on_connect(destination.key, outcome.latency)
-        if outcome.wait_until is None:
-            # One signal per reply, not per recipient: a 421 after DATA for 50 recipients
-            # is one throttle signal, not fifty.
-            for result in {id(r.reply): r for r in outcome.results}.values():
-                shaper.result(now, result.reply, result.verdict)
-                destination.record(now, result.reply)
-        after = shaper.state(now)
-        if after != before:
-            self._changed(destination, before, after, now)
-        if shaper.concurrency.limit < limit:
-            destination.arrived.set()  # idle connections over the new limit close
-        elif shaper.concurrency.limit > limit:
-            self._pump(destination)  # room for one more connection to the backlog
-
-    def _changed(
-        self, destination: Destination, before: ShaperState, after: ShaperState, now: float
-    ) -> None:
+    def _changed(self, destination: Destination, after: ShaperState, released: int) -> None:
         """Log a change of circuit or backoff mode (a time-based end is seen at the next
-        attempt); when a probe closed the circuit, let the waiting mail go."""
-        released = 0
-        if before.circuit == HALF_OPEN and after.circuit == CLOSED:
-            released = self._release(destination, now)
+        attempt), and how much waiting mail a probe that closed the circuit let go."""
         calm = after.circuit == CLOSED and after.mode == "normal"
         (log.info if calm else log.warning)(
             "destination_changed",
@@ -594,16 +689,16 @@ class DeliveryManager:
             released=released,
         )
 
-    def _release(self, destination: Destination, now: float) -> int:
+    def _release(self, action: Release) -> None:
         """The probe went through and the circuit closed: the mail that waited while it was
         open is let go spread over shaping.release_spread, most urgent first (the queue
         gives it in class order), not as a herd. Not an attempt: due times stay."""
-        items = destination.queue.remove(lambda item: True)
-        starts = destination.shaper.released(now, len(items), self.rng)
-        for item, start in zip(items, starts, strict=True):
+        now = time.time()
+        shaper = self.destinations[action.destination].shaper
+        starts = shaper.released(now, len(action.items), self.rng)
+        for item, start in zip(action.items, starts, strict=True):
             self._unbusy(item.message_id, item.indexes)
             self._schedule(item.message_id, start)
-        return len(items)
 
     # -- after an attempt -----------------------------------------------------------------
 
@@ -642,29 +737,55 @@ class DeliveryManager:
                 self.on_delivery(event)
             name = event.pop("event")
             log.info(name, **event)
-        for kind, reports in (
-            ("failure", settlement.failed),
-            ("delay", settlement.delayed),
-            ("success", settlement.succeeded),
-        ):
-            if reports:
-                self._notify(message, reports, kind, now)
+        notices = [
+            self._notify(message, reports, kind, now)
+            for kind, reports in (
+                ("failure", settlement.failed),
+                ("delay", settlement.delayed),
+                ("success", settlement.succeeded),
+            )
+            if reports
+        ]
         if self.cfg.suppression.enabled:
             for address, reason in settlement.suppress:
-                self.spool.suppress(address, now + self.cfg.suppression.ttl, reason)
+                future = self.spool.suppress(address, now + self.cfg.suppression.ttl, reason)
+                self._journal(future, message.id)
                 log.info("suppressed", address=address, reason=reason)
         if settlement.finished and not self._busy.get(message.id):
             self._busy.pop(message.id, None)
             self._waits.pop(message.id, None)
-            self.spool.remove(message.id, "done")
+            if not notices:
+                self._journal(self.spool.remove(message.id, "done"), message.id)
+                return
+            # Its DSNs must be durable before the original goes: kept until then.
+            self._journal(self.spool.update(message), message.id)
+            self._spawn(self._remove_when_noticed(message.id, notices))
             return
-        self.spool.update(message)
+        self._journal(self.spool.update(message), message.id)
         due = _earliest_due(message)
         if due is not None:
             self._schedule(message.id, due)
 
-    def _notify(self, message: Message, reports: list, kind: str, now: float) -> None:
-        """Queue a DSN to the sender (never for the null sender: wants_notice checked)."""
+    def _journal(self, future: asyncio.Future, message_id: str) -> None:
+        """Log a journal write that failed. The record in memory stays current (a lost
+        update costs at worst one more attempt; a lost remove, a message delivered again
+        after a restart), so the queue goes on; the spool refuses new mail meanwhile."""
+
+        def done(future: asyncio.Future) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                log.error("journal_write_failed", id=message_id, error=str(future.exception()))
+
+        future.add_done_callback(done)
+
+    async def _remove_when_noticed(self, message_id: str, notices: list[asyncio.Future]) -> None:
+        if all(await asyncio.gather(*notices)):
+            self._journal(self.spool.remove(message_id, "done"), message_id)
+        else:  # a bug, logged: the original stays, with its final states, for an operator
+            log.error("original_kept", id=message_id, reason="its DSN could not be queued")
+
+    def _notify(self, message: Message, reports: list, kind: str, now: float) -> asyncio.Future:
+        """Queue a DSN to the sender (never for the null sender: wants_notice checked);
+        the future says whether it is durable."""
         try:
             original = self.spool.content(message.id)
         except (OSError, CorruptMessageFile):
@@ -681,8 +802,29 @@ class DeliveryManager:
             klass=self.cfg.dsn.klass,
             lifetime=self.cfg.dsn.lifetime,
         )
-        self.spool.accept(notice, content)
-        log.info("dsn_queued", id=dsn_id, kind=kind, about=message.id, to=message.sender)
+        stored = self.spool.accept(notice, content)  # now: a stop finds it queued
+        fields = {"id": dsn_id, "kind": kind, "about": message.id, "to": message.sender}
+        return self._spawn(self._store_notice(stored, notice, content, fields))
+
+    async def _store_notice(
+        self, stored: asyncio.Future, notice: Message, content: bytes, fields: dict
+    ) -> bool:
+        """Wait for a DSN to be durable, storing it again every DSN_RETRY seconds while the
+        spool refuses it (a full disk, a writer restarting): True once durable, False
+        after a bug."""
+        while True:
+            try:
+                await stored
+            except (StorageFull, StorageError) as exc:
+                log.error("dsn_failed", **fields, error=str(exc), retry_in=DSN_RETRY)
+                await asyncio.sleep(DSN_RETRY)
+                stored = self.spool.accept(notice, content)
+                continue
+            except Exception:
+                log.exception("dsn_failed", **fields)
+                return False
+            log.info("dsn_queued", **fields)
+            return True
 
     # -- operations (mtaqueue-ctl) --------------------------------------------------------
 
@@ -691,7 +833,8 @@ class DeliveryManager:
         ids = {m.id for m in messages if not m.held}
         self._unqueue(lambda item: item.message_id in ids)
         for message_id in ids:
-            self.spool.update(msgspec.structs.replace(self.spool.messages[message_id], held=True))
+            held = msgspec.structs.replace(self.spool.messages[message_id], held=True)
+            self._journal(self.spool.update(held), message_id)
         return len(ids)
 
     def release(self, messages: list[Message]) -> int:
@@ -700,7 +843,7 @@ class DeliveryManager:
         for message in messages:
             if message.held:
                 released = msgspec.structs.replace(message, held=False)
-                self.spool.update(released)
+                self._journal(self.spool.update(released), message.id)
                 self._schedule(message.id, _earliest_due(released) or 0.0)
                 count += 1
         return count
@@ -716,7 +859,7 @@ class DeliveryManager:
             greylist_min = self.cfg.retry.greylist_min
             recipients = [flushed(r, now, greylist_min) for r in message.recipients]
             message = msgspec.structs.replace(message, recipients=tuple(recipients))
-            self.spool.update(message)
+            self._journal(self.spool.update(message), message.id)
             due = _earliest_due(message)
             if due is not None:
                 self._schedule(message.id, due)
@@ -737,7 +880,7 @@ class DeliveryManager:
         for message in messages:
             self._busy.pop(message.id, None)
             self._waits.pop(message.id, None)
-            self.spool.remove(message.id, "deleted by operator")
+            self._journal(self.spool.remove(message.id, "deleted by operator"), message.id)
             log.info("deleted", id=message.id, sender=message.sender)
         return len(ids)
 
@@ -773,29 +916,32 @@ class DeliveryManager:
         matched = [d for d in self.destinations.values() if name == d.key or name in d.domains]
         for destination in matched:
             apply(destination.shaper, now)
-            destination.arrived.set()  # idle connections over a lowered limit close
-            self._pump(destination)
+        self._act(self._core.tick(now))  # idle connections over a lowered limit close
         return len(matched)
 
     def domains(self) -> list[dict]:
         """The live destinations' state (for metrics; `view` adds the waiting mail)."""
         now = time.time()
         suspended = self.hosts.snapshot(now)
-        return [d.snapshot(now, suspended) for d in self.destinations.values()]
+        core = self._core
+        return [
+            d.snapshot(now, suspended, core.waiting(d.key), core.slots(d.key)[0])
+            for d in self.destinations.values()
+        ]
 
     def view(self) -> list[dict]:
         """`mtaqueue-ctl domains`: every destination with waiting mail or state to show."""
         return destinations_view(self.domains(), self.spool.messages.values(), self._busy)
 
     def _unqueue(self, predicate: Callable[[WorkItem], bool]) -> None:
-        for destination in self.destinations.values():
-            for item in destination.queue.remove(predicate):
-                self._unbusy(item.message_id, item.indexes)
+        for item in self._core.remove(time.time(), predicate):
+            self._unbusy(item.message_id, item.indexes)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Future:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 def _earliest_due(message: Message) -> float | None:

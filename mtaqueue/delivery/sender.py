@@ -1,4 +1,7 @@
-"""One delivery attempt over SMTP: pick a host, connect (or reuse), send, read replies.
+"""The SMTP side of delivery: which hosts to try, one connection, one transaction.
+
+Whether a connection may open and which message goes on it is the scheduler core's
+decision (scheduler/core.py); the manager drives this for it.
 
 The results are raw (`Reply`) plus their classification (`Verdict`); what to do
 about them is the manager's and the policy's business.
@@ -14,24 +17,23 @@ import msgspec
 from .. import config
 from ..logs import get_logger
 from ..model import Message
-from ..policy.classify import HOST, Rule, classify
+from ..policy.classify import DELIVERED, HOST, THROTTLING, Rule, classify
 from ..policy.hosts import HostSuspensions, host_key
 from ..policy.replies import Reply
 from ..policy.settle import Result
+from ..policy.shaper import REFUSALS_PER_CONNECTION
 from ..routing.resolver import Route
 from ..smtp.client import ClientSettings, ConnectFailed, SmtpConnection
 
 log = get_logger("delivery")
 
 
-@dataclass(slots=True)
-class Outcome:
-    results: list[Result]  # empty when nothing was tried
-    conn: SmtpConnection | None  # still open, for the next message
-    wait_until: float | None = None  # every host suspended: an internal wait, not an attempt
-    suspended: Reply | None = None  # ... and why, should the wait have to be charged
-    connect_failures: int = 0  # failed connections on the way (for the circuit breaker)
-    latency: float | None = None  # connect + greeting of a new connection, seconds
+@dataclass(frozen=True, slots=True)
+class Suspended:
+    """Every host of a route is suspended: an internal wait, not an attempt."""
+
+    until: float
+    reply: Reply  # why, should the wait have to be charged
 
 
 class Sender:
@@ -47,62 +49,34 @@ class Sender:
         self.hosts = hosts
         self.delivery = delivery
 
-    async def send(
-        self,
-        message: Message,
-        indexes: list[int],
-        route: Route,
-        content: bytes,
-        conn: SmtpConnection | None,
-        max_per_connection: int,
-    ) -> Outcome:
-        """Try the route's hosts in order until one takes the transaction."""
-        now = time.time()
+    def candidates(self, route: Route, now: float) -> list[tuple[str, str]] | Suspended:
+        """The (host, address) pairs to try in order: the hosts not suspended."""
         port = route.port
         hosts = [h for h in route.hosts if not self.hosts.suspended(host_key(h.name, port), now)]
         if not hosts:
             keys = [host_key(h.name, port) for h in route.hosts]
             release = self.hosts.next_release(keys, now)
-            wait = release or now + self.delivery.host_suspend
-            return Outcome([], conn, wait_until=wait, suspended=self._suspended(keys))
-        if conn is not None and not (
-            conn.usable
-            and conn.transactions < max_per_connection
-            and any(conn.ip in h.addresses for h in hosts)
-        ):
-            await conn.quit()
-            conn = None
-        outcome = Outcome([], conn)
-        last: Reply | None = None
-        last_host = None
-        candidates = [(h, ip) for h in hosts for ip in h.addresses]
-        if conn is not None:  # the open connection first
-            candidates.sort(key=lambda c: c[1] != conn.ip)
-        for host, ip in candidates:
-            if conn is None or conn.ip != ip:
-                if conn is not None:
-                    await conn.quit()
-                started = time.monotonic()
-                opened = await self._connect(host.name, ip, route.port)
-                if isinstance(opened, Reply):
-                    last, last_host, conn = opened, host.name, None
-                    outcome.connect_failures += 1
-                    continue
-                conn = opened
-                outcome.latency = time.monotonic() - started
-            outcome.results = await self._transaction(conn, message, indexes, content)
-            self._judge_host(host.name, port, conn.ip, outcome.results)
-            if not conn.usable:
-                await conn.quit()
-                conn = None
-            outcome.conn = conn
-            return outcome
-        assert last is not None
-        outcome.results = [self.result(i, last, last_host, None) for i in indexes]
-        outcome.conn = None
-        return outcome
+            until = release or now + self.delivery.host_suspend
+            return Suspended(until, self._suspended(keys))
+        return [(h.name, ip) for h in hosts for ip in h.addresses]
 
-    def _judge_host(self, host: str, port: int, ip: str, results: list[Result]) -> None:
+    def fits(self, conn: SmtpConnection, route: Route, now: float) -> bool:
+        """Whether an open connection can carry mail of `route`: reusable, and to one of
+        its hosts not suspended."""
+        candidates = self.candidates(route, now)
+        return (
+            self.reusable(conn)
+            and not isinstance(candidates, Suspended)
+            and any(ip == conn.ip for _, ip in candidates)
+        )
+
+    def reusable(self, conn: SmtpConnection) -> bool:
+        """Whether an open connection may take another transaction: usable, and not past
+        REFUSALS_PER_CONNECTION 4xx replies since it last delivered (a strict receiver's
+        error tarpit is not fed)."""
+        return conn.usable and conn.refusals < REFUSALS_PER_CONNECTION
+
+    def judge_host(self, host: str, port: int, ip: str, results: list[Result]) -> None:
         """A host that spoke out of step (a 250 greeting, 252 to MAIL, garbage) is left
         alone like one that failed to connect; one that carried a transaction is fine."""
         failed = next((r.reply for r in results if r.verdict.scope == HOST), None)
@@ -126,7 +100,10 @@ class Sender:
         text = reason.text if reason.code else reason.line().removeprefix(reason.enhanced)
         return msgspec.structs.replace(reason, text=f"{text.strip()} {note}")
 
-    async def _connect(self, host: str, ip: str, port: int) -> SmtpConnection | Reply:
+    async def connect(
+        self, host: str, ip: str, port: int, last_one: bool
+    ) -> SmtpConnection | Reply:
+        """`last_one`: no other host is left to try (see `tries_next`)."""
         try:
             return await SmtpConnection.open(host, ip, port, self.client)
         except ConnectFailed as failed:
@@ -136,11 +113,19 @@ class Sender:
                 except ConnectFailed as again:
                     failed = again
             verdict = classify(failed.reply, self.rules)
-            if verdict.scope in ("host", "destination"):
+            paced = last_one and verdict.kind == THROTTLING
+            if verdict.scope in ("host", "destination") and not paced:
                 self._suspend(host, port, ip, failed.reply)
             return failed.reply
 
-    async def _transaction(
+    def tries_next(self, reply: Reply, last_one: bool) -> bool:
+        """Whether a connect that failed with `reply` goes on to the next address. A
+        throttling greeting from the last host ("421 4.7.0 Error: too many connections
+        from ...") is the destination pacing us: it suspends no host (the only MX would
+        stop all delivery) and ends the try. From one of several, the next is tried."""
+        return not (last_one and classify(reply, self.rules).kind == THROTTLING)
+
+    async def transaction(
         self, conn: SmtpConnection, message: Message, indexes: list[int], content: bytes
     ) -> list[Result]:
         """Send to these recipients; those refused as "too many" go in further transactions
@@ -154,6 +139,7 @@ class Sender:
                 self.result(i, reply, conn.host, conn.ip, relayed=not conn.dsn)
                 for i, reply in zip(pending, replies, strict=True)
             ]
+            _count_refusals(conn, outcomes)
             again = [r.index for r in outcomes if r.verdict.kind == "too_many_recipients"]
             if not again or len(again) == len(pending) or not conn.usable:
                 return results + outcomes
@@ -172,3 +158,12 @@ class Sender:
     ) -> Result:
         verdict = classify(reply, self.rules, ambiguous_policy=self.delivery.ambiguous)
         return Result(index, reply, verdict, host, ip, dsn_relayed=relayed)
+
+
+def _count_refusals(conn: SmtpConnection, results: list[Result]) -> None:
+    """4xx replies since the connection last delivered (a strict receiver's error tarpit,
+    Postfix's smtpd_soft_error_limit, slows and then drops a session that draws many)."""
+    if any(r.verdict.outcome == DELIVERED for r in results):
+        conn.refusals = 0
+    else:
+        conn.refusals += len({id(r.reply) for r in results if r.reply.code // 100 == 4})

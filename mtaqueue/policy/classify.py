@@ -34,7 +34,10 @@ In short, the table says:
 - 4xx with 4.7.28, Microsoft 4.7.5xx/6xx, Yahoo TSxx, "rate limited", "too many
   connections", "server busy"...: throttling, destination (Yahoo TS03 with a 4 h wait);
   Gmail's 450 4.2.1 "receiving mail too quickly" is one mailbox's limit: recipient;
-- 421 at any phase: the site closed the session: destination (throttling if 4.7.x);
+- 421 at any phase: the site closed the session: destination (throttling if 4.7.x), but
+  Postfix's "too many errors" (its error tarpit) is the session's, message;
+- Postfix's anvil ("too much mail from", "too many recipients from", "too many
+  connections from"): throttling, destination;
 - "try again later" with 450/451 and no or a 4.7.0/4.7.1/4.2.0 code: at RCPT greylisting,
   elsewhere throttling;
 - any failure at connect/greeting/EHLO/STARTTLS: transient, host (try the next MX; Postfix
@@ -244,8 +247,12 @@ _GENERIC = "- x.0.0"  # no enhanced code, or one that adds nothing to the class
 _SETUP = "connect banner ehlo starttls"  # before a transaction: the host's business
 
 _GREYLIST = r"gr[ae]y[ -]?list|postgrey"
+# Postfix's anvil says "too much mail from ADDR" (message rate), "too many recipients from
+# ADDR" (recipient rate: not RFC 5321's per-transaction limit, which names no client) and
+# "too many connections from ADDR" (count or rate).
 _THROTTLE = (
-    r"rate[ -]?limit|too many (?!recipients)|sending rate|unusual rate|too (?:fast|quickly)"
+    r"rate[ -]?limit|too many (?!recipients|errors)|too many recipients from|too much mail"
+    r"|sending rate|unusual rate|too (?:fast|quickly)"
     r"|throttl|(?:server|too) busy|unexpected volume|\bTSS?[0-9]{2}\b"
 )
 _TRY_LATER = r"\b(?:(?:try|retry|come back) (?:again )?later|(?:try again|retry|come back) in\b)"
@@ -269,6 +276,10 @@ _TABLE = (
     # Gmail 4.7.28 (unsolicited mail rate); Microsoft 4.7.500-699 (throttled, reputation).
     _row(THROTTLING, codes="4xx", status="x.7.28 x.7.5xx x.7.6xx", scope=DESTINATION),
     _row(THROTTLING, codes="4xx", text=_THROTTLE, scope=DESTINATION),
+    # Postfix's error tarpit hanging up ("421 4.7.0 host Error: too many errors"): our
+    # session drew too many refusals (greylisting, say). Its message waits as for any lost
+    # session; the site's rate is not the problem, so this paces nothing.
+    _row(OTHER, codes="421", text=r"\btoo many errors\b", scope=MESSAGE),
     # 421 closes the session at any phase: the site, not this message, is the problem.
     _row(THROTTLING, codes="421", status="x.7.x", scope=DESTINATION),
     _row(OTHER, codes="421", scope=DESTINATION),

@@ -1,7 +1,8 @@
 """Which waiting item goes next: strict priority for the first class, weights for the rest,
 round-robin for tenants.
 
-The first class (the lowest priority number, p0: password resets, 2FA) always goes first.
+The first class (the lowest priority number, p0: password resets, 2FA; a tie goes to the
+name that sorts first, see `class_order`) always goes first.
 The other classes share what is left by weight, with stride scheduling: each class has a
 virtual time that advances by 1/weight per item served and the class furthest behind goes
 next (ties: lower priority number). Weights p1=4, p2=1 give four p1 for each p2 while both
@@ -18,11 +19,18 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 Tenant = str | None
+
+
+def class_order(priorities: Mapping[str, int]) -> list[str]:
+    """Class names by priority, ties by name: the one order everything uses (the queue,
+    the first class's restart and retry treatment, the submission's listing), so that
+    two classes with the same priority cannot each be "the first class" somewhere."""
+    return sorted(priorities, key=lambda name: (priorities[name], name))
 
 
 class FairQueue(Generic[T]):
@@ -32,7 +40,7 @@ class FairQueue(Generic[T]):
             raise ValueError("a fair queue needs at least one class")
         if min(weight for _, weight in classes.values()) < 1:
             raise ValueError("class weights must be at least 1")
-        order = sorted(classes, key=lambda name: classes[name][0])
+        order = class_order({name: priority for name, (priority, _) in classes.items()})
         self._first = order[0]
         self._others = order[1:]  # by priority, which breaks ties between equal shares
         # Integer strides (lcm / weight) keep the virtual times exact however long it runs.

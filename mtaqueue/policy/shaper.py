@@ -1,36 +1,42 @@
-"""One destination's pacing: rate buckets, adaptive concurrency, backoff mode and a circuit
-breaker, composed. The queue manager asks before it opens a connection or sends a message
-and reports what happened; waiting here is pacing, not a failed attempt (the caller does
-not climb the retry ladder for it). The global rate cap (delivery.max_rate) is the
-manager's own `TokenBucket`, not this.
+"""One destination's pacing: a learned rate (rate_learner.py), rate buckets, adaptive
+concurrency, backoff mode and a circuit breaker, composed. The scheduler core
+(scheduler/core.py) asks before it opens a connection or sends a message and reports what
+happened; waiting here is pacing, not a failed attempt (the caller does not climb the retry
+ladder for it). The global rate cap (delivery.max_rate) is the core's own `TokenBucket`,
+not this.
 
 Admission rules:
 - A new connection needs the breaker's leave (closed, or the one half-open probe), a free
-  slot, and a token of the connections_per_minute bucket.
+  slot, a token of the connections_per_minute bucket, and no throttle cool-down.
 - Slots: every connection counts against the adaptive limit L. Ordinary connections take
   any class (the queue pops first-class mail first) and may number max(1, L - reserved_p0);
   the rest of L is for connections that take first-class work only, opened when such work
   waits and the ordinary ones are all busy. The floor of 1 keeps bulk moving when L is 1.
   An open connection keeps working while it would be admitted again: when L drops, the
   connections over it close as they finish their message.
-- A message needs a token of the messages_per_minute bucket. An open breaker stops new
-  connections only: one already open may finish its work.
+- A message needs a token of the message bucket and no throttle cool-down (which holds
+  every connection of the destination at once). An open breaker stops new connections
+  only: one already open may finish its work.
 
-Ceilings and rates: the concurrency ceiling is max_connections (or an operator's
-concurrency), the message rate messages_per_minute (or an operator's rate); in backoff
-stage s the ceiling, both rates and the retry intervals are scaled by the backoff factors
-to the power s (ceiling floor 1). An unlimited rate (0) stays unlimited in backoff: the
-ceiling and the concurrency cuts slow such a destination down.
+Ceilings and rates: the concurrency ceiling is max_connections capped by a learned
+"too many connections" (an operator's concurrency replaces both); the message bucket runs
+at the learned rate under messages_per_minute (or an operator's rate; 0: no ceiling, the
+learned rate still paces). In backoff stage s the ceiling, both rates and the retry
+intervals are scaled by the backoff factors to the power s (ceiling floor 1).
 
 Feedback rules (`result`):
 - Delivered (a real 2xx, not a lost reply taken as delivered): a success for
-  concurrency, backoff mode and breaker.
+  concurrency, backoff mode, breaker and the learned rate.
 - Throttling: a reply classified as throttling for the site (recipient-scoped throttling,
   such as Gmail's per-mailbox 4.2.1, is that mailbox's business), or a throttle rule's
-  threshold reached: backoff signal and concurrency cut.
-- Connection failure: a transient failure before MAIL FROM (refused, timeout, 421 or 4xx
-  greeting, EHLO, STARTTLS; not a DNS failure), or a timeout in any phase: breaker failure
-  and concurrency cut (one cut if it is also throttling).
+  threshold reached, or latency far over the baseline: a throttle signal for the learned
+  rate (a cool-down and a cut; "too many connections" caps the concurrency instead of
+  cutting the rate), and a concurrency cut once per episode. Only a rule's hit puts the
+  destination in backoff mode (longer retries); a throttling reply is pacing, never a
+  breaker failure, except from the half-open probe.
+- Connection failure: a transient failure before MAIL FROM that is not throttling
+  (refused, timeout, a 4xx greeting, EHLO, STARTTLS; not a DNS failure), or a timeout in
+  any phase: breaker failure and concurrency cut.
 - Any other reply shows the site answering: it closes a half-open breaker, unless it is a
   throttle reply (the site is still unhappy: the breaker opens again). When a breaker
   closes, concurrency starts over at 1 and grows with successes.
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -48,10 +55,18 @@ from .breaker import CLOSED, HALF_OPEN, CircuitBreaker
 from .buckets import TokenBucket
 from .classify import DELIVERED, PERMANENT, RECIPIENT, THROTTLING, Verdict
 from .concurrency import AdaptiveConcurrency
+from .rate_learner import PROBING, SLOW_STARTING, Change, Learned, RateLearner
 from .replies import PHASES, Reply
 from .throttle import BackoffMode, ThrottleRules
 
 _MAIL = PHASES.index("mail")
+# 4xx replies on one connection since it last delivered before it is closed rather than
+# used again: a strict receiver tarpits a session past a few (Postfix sleeps a second per
+# reply after smtpd_soft_error_limit, 10, and hangs up at the hard limit, 20).
+REFUSALS_PER_CONNECTION = 3
+# A connection cap ("421 4.7.0 Error: too many connections from 192.0.2.1", "Too many
+# concurrent SMTP connections"): the concurrency is learned, besides the rate.
+_CONNECTIONS = re.compile(r"too many (?:\w+ ){0,2}connections|connection (?:limit|count)", re.I)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +86,13 @@ class _Override:
 
 
 class DestinationShaper:
-    def __init__(self, pacing: config.Pacing, shaping: config.ShapingConfig, now: float) -> None:
+    def __init__(
+        self,
+        pacing: config.Pacing,
+        shaping: config.ShapingConfig,
+        now: float,
+        learned: Learned | None = None,
+    ) -> None:
         self.pacing = pacing
         self.release_spread = float(shaping.release_spread)
         self.concurrency = AdaptiveConcurrency(
@@ -95,6 +116,7 @@ class DestinationShaper:
         self._connections = TokenBucket(pacing.connections_per_minute / 60, pacing.burst, now)
         self._messages = TokenBucket(pacing.messages_per_minute / 60, pacing.burst, now)
         self._override: _Override | None = None
+        self.learner = RateLearner(now, learned)
 
     # -- admission ---------------------------------------------------------------------
 
@@ -107,7 +129,7 @@ class DestinationShaper:
         breaker = self.breaker.wait(now)
         if breaker == math.inf or not self._room(active, reserved, first_class):
             return math.inf
-        return max(breaker, self._connections.wait(now))
+        return max(breaker, self._connections.wait(now), self.learner.wait(now))
 
     def keeps(self, now: float, active: int, reserved: int, first_class: bool) -> bool:
         """Whether an open connection (counted in `active`, and in `reserved` if it is a
@@ -123,12 +145,14 @@ class DestinationShaper:
         self._connections.take(now)
 
     def send_wait(self, now: float) -> float:
-        """Seconds until a message may be sent (0.0: now)."""
+        """Seconds until a message may be sent (0.0: now): the rate, and the cool-down
+        after a throttle signal, which holds every connection of the destination."""
         self._apply(now)
-        return self._messages.wait(now)
+        return max(self._messages.wait(now), self.learner.wait(now))
 
     def sent(self, now: float) -> None:
         self._messages.take(now)
+        self.learner.sent(now)
 
     # -- feedback ----------------------------------------------------------------------
 
@@ -137,20 +161,27 @@ class DestinationShaper:
         self.breaker.failure(now)
         self.concurrency.throttled()
 
-    def result(self, now: float, reply: Reply, verdict: Verdict) -> None:
-        """What a connection or transaction got (one call per reply that settled mail)."""
+    def result(self, now: float, reply: Reply, verdict: Verdict, active: int = 1) -> None:
+        """What a connection or transaction got (one call per reply that settled mail);
+        `active` counts the connections open to the destination, this one included: if
+        it was refused as one too many, the others are what worked."""
         if verdict.outcome == DELIVERED and reply.code:  # not a lost reply taken as delivered
             self.concurrency.success()
             self.backoff.success(now)
+            self.learner.delivered(now, self._rate_ceiling())
             self._answered(now)
         else:
-            self._failed(now, reply, verdict)
+            self._failed(now, reply, verdict, active)
         self._apply(now)
 
     def latency(self, now: float, seconds: float) -> None:
         """A connect, greeting or reply time (one kind, consistently)."""
         self._apply(now)
+        limit = self.concurrency.limit
         self.concurrency.latency(seconds)
+        if self.concurrency.limit < limit:  # far above the baseline: silent throttling
+            baseline = self.concurrency.baseline or 0.0
+            self.learner.throttled(now, f"latency {seconds:.3f}s over a {baseline:.3f}s baseline")
 
     def retry_factor(self, now: float) -> float:
         """Stretch for the retry intervals of this destination's transient failures."""
@@ -201,7 +232,8 @@ class DestinationShaper:
 
     def at_rest(self, now: float) -> bool:
         """Nothing to remember: normal mode, a closed circuit, no operator's limit. (The
-        adaptive concurrency and the buckets start afresh harmlessly.)"""
+        adaptive concurrency and the buckets start afresh harmlessly; the manager keeps
+        what was learned, `learned()`.)"""
         state = self.state(now)
         return state.mode == "normal" and state.circuit == CLOSED and self._override is None
 
@@ -221,6 +253,7 @@ class DestinationShaper:
             "messages_per_minute": self._messages.rate * 60,
             "connections_per_minute": self._connections.rate * 60,
             "latency_baseline": self.concurrency.baseline,
+            "learned": self._learned_view(now),
             "override": None
             if override is None
             else {
@@ -228,6 +261,31 @@ class DestinationShaper:
                 "concurrency": override.concurrency,
                 "until": override.until,
             },
+        }
+
+    def learned(self) -> Learned:
+        """What to remember across a restart."""
+        return self.learner.learned()
+
+    def changes(self) -> list[Change]:
+        """Learned limits that moved since the last call (`limit_learned`)."""
+        return self.learner.changes()
+
+    def probing(self, now: float) -> bool:
+        """Whether the rate is being raised to find the destination's limit."""
+        return self.learner.phase(now, self._rate_ceiling()) in (SLOW_STARTING, PROBING)
+
+    def _learned_view(self, now: float) -> dict:
+        learner = self.learner
+        return {
+            "rate_per_minute": learner.rate * 60,
+            "good_per_minute": learner.good * 60 or None,
+            "rate_reply": learner.rate_reply,
+            "concurrency": learner.concurrency or None,
+            "concurrency_reply": learner.concurrency_reply,
+            "phase": learner.phase(now, self._rate_ceiling()),
+            "probing": self.probing(now),
+            "paused_until": learner.paused_until if learner.wait(now) else None,
         }
 
     # -- internals -----------------------------------------------------------------------
@@ -240,19 +298,29 @@ class DestinationShaper:
             return active < limit
         return active < limit and active - reserved < max(1, limit - self.pacing.reserved_p0)
 
-    def _failed(self, now: float, reply: Reply, verdict: Verdict) -> None:
+    def _failed(self, now: float, reply: Reply, verdict: Verdict, active: int) -> None:
         rule_hit = self.rules.hit(reply.line(), now)
-        throttled = rule_hit or (verdict.kind == THROTTLING and verdict.scope != RECIPIENT)
-        if throttled:
-            self.backoff.signal(now)
-        if _connection_failure(reply, verdict):
+        if rule_hit:
+            self.backoff.signal(now)  # the site's own rule asks for backoff mode
+        if rule_hit or (verdict.kind == THROTTLING and verdict.scope != RECIPIENT):
+            self._throttled(now, reply, active)
+        elif _connection_failure(reply, verdict):
             self.connect_failed(now)
-        elif throttled:
-            self.concurrency.throttled()
-            if self.breaker.state(now) == HALF_OPEN:
-                self.breaker.failure(now)
         elif reply.code:
             self._answered(now)
+
+    def _throttled(self, now: float, reply: Reply, active: int) -> None:
+        """Pacing, not a failure of the host: the breaker only hears of it from its probe.
+        A refused connection teaches the concurrency, not the rate; it pauses all the
+        same, since a strict site lists a client that goes on after any 421."""
+        line = reply.line()
+        too_many = _CONNECTIONS.search(reply.text) is not None and active > 1
+        if too_many:
+            self.learner.too_many_connections(active - 1, line)
+        if self.learner.throttled(now, line, rate=not too_many):  # once an episode
+            self.concurrency.throttled()
+        if self.breaker.state(now) == HALF_OPEN:
+            self.breaker.failure(now)
 
     def _answered(self, now: float) -> None:
         """The site answered: a half-open breaker closes, and the ramp starts from 1."""
@@ -268,16 +336,22 @@ class DestinationShaper:
         if override is not None and override.until is not None and now >= override.until:
             self._override = override = None
         ceiling = self.pacing.max_connections
-        rate = self.pacing.messages_per_minute
-        if override is not None:
-            if override.concurrency is not None:
-                ceiling = override.concurrency
-            if override.rate_per_minute is not None:
-                rate = override.rate_per_minute
+        if self.learner.concurrency:
+            ceiling = min(ceiling, self.learner.concurrency)
+        if override is not None and override.concurrency is not None:
+            ceiling = override.concurrency  # the operator knows better than what was learned
         factor = self.backoff.rate_factor(now)
         self.concurrency.cap(max(1, math.floor(ceiling * factor)))
-        self._messages.set_rate(rate / 60 * factor, now)
+        self._messages.set_rate(self.learner.limit(self._rate_ceiling()) * factor, now)
         self._connections.set_rate(self.pacing.connections_per_minute / 60 * factor, now)
+
+    def _rate_ceiling(self) -> float:
+        """Messages a second the learned rate may not pass: an operator's, else the
+        configured one; 0: none."""
+        override = self._override
+        if override is not None and override.rate_per_minute is not None:
+            return override.rate_per_minute / 60
+        return self.pacing.messages_per_minute / 60
 
 
 def _connection_failure(reply: Reply, verdict: Verdict) -> bool:

@@ -70,6 +70,7 @@ class SmtpConnection:
         self.ip = ip
         self.tls = tls
         self.transactions = 0
+        self.refusals = 0  # 4xx replies since it last delivered (the sender counts them)
         self.banner = ""
 
     @property

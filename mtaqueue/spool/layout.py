@@ -15,6 +15,7 @@ MESSAGE_DIR = "msg"
 JOURNAL_DIR = "journal"
 QUARANTINE_DIR = "quarantine"
 LOCK_FILE = "lock"
+LEARNED_FILE = "learned.json"  # what destinations taught the shapers (statefile.py)
 TMP_SUFFIX = ".tmp"
 
 
@@ -25,6 +26,7 @@ class SpoolLayout:
         self.journal = self.root / JOURNAL_DIR
         self.quarantine = self.root / QUARANTINE_DIR
         self.lock = self.root / LOCK_FILE
+        self.learned = self.root / LEARNED_FILE
 
     def message_dir(self, queue_id: str) -> Path:
         return self.messages / queue_id[6] / queue_id[7:9]

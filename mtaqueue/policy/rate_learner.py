@@ -1,0 +1,300 @@
+"""The message rate of one destination, learned from what it accepts (sans-IO).
+
+Nobody tells us Gmail's or a small provider's limits, so each destination's rate is found
+the way TCP finds a path's capacity (AIMD with slow start), with the reply that taught it
+kept for people:
+
+- Slow start: a destination with no history starts at SLOW_START messages a second and
+  doubles each ROUND in which it was sent at least USED of what the rate allowed (an
+  idle destination proves nothing, so it does not grow).
+- A throttle signal (the shaper decides what is one: 421, 4.7.28, "too much mail",
+  rising latency...) pauses all sending to the destination for a cool-down, and the rate
+  becomes BETA times the acceptance measured over the WINDOW just before it (never more
+  than BETA times the rate it was sent at). That acceptance is the last known good rate;
+  in slow start at least half the rate (the last round's, which went through), since a
+  measurement over a steep ramp undercounts.
+  Signals during the cool-down are replies of the same episode (already in flight): one
+  signal. A signal before REPEAT deliveries went through after a cool-down (the site is
+  still unhappy) doubles the next one, up to COOLDOWN_MAX.
+- Then it recovers by RECOVER times a round up to NEAR the good rate, closes in on it by a
+  quarter of the distance (at least PROBE_STEP of it) every PROBE_EVERY deliveries and
+  PROBE_SECONDS (PROBE_SLOW at most), and probes above it by PROBE_STEP: slowly, so that
+  one episode costs a few replies per several hundred messages. Past the good rate each
+  step doubles (up to STRIDE_MAX times PROBE_STEP), as TCP CUBIC leaves the last known
+  limit: a limit that was lifted, or measured low, is found again soon. An episode that
+  finds the same limit again (within SAME) makes the next probe twice as patient (up to
+  PATIENCE_MAX), in deliveries and in seconds (PROBE_SECONDS): the plateau is known.
+- "Too many connections" caps the concurrency at the connections that worked (the shaper
+  says how many) and pauses, without a cut: it says nothing of the rate.
+- The rate never passes the configured ceiling (`messages_per_minute`, an operator's
+  limit); a ceiling of 0 means none, not no pacing.
+
+What was learned survives restarts (`Learned`, saved by the manager) and decays toward
+the slow start after hours without traffic: HALF_LIFE after QUIET, and a destination
+quiet for FORGET starts over. All times are seconds, rates messages per second.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+SLOW_START = 2.0  # no history: 120/min, polite to a small server, ramps fast
+MIN_RATE = 1 / 60  # a throttle never stops a destination for good: one a minute
+ROUND = 1.0  # growth step of slow start and recovery
+USED = 0.5  # share of a round's allowance sent, for it to count as evidence
+BETA = 0.7  # new rate after a signal, of the acceptance measured before it
+WINDOW = 5.0  # behind the acceptance measurement
+RECOVER = 1.25  # per round while under NEAR x good
+NEAR = 0.85
+PROBE_STEP = 0.01  # of the good rate, per step above NEAR x good
+PROBE_EVERY = 30  # deliveries per probe step, and
+PROBE_SECONDS = 2.0  # seconds per probe step (both times the patience); but a slow
+PROBE_SLOW = 10.0  # destination steps after this long, however few it delivered
+STRIDE_MAX = 16  # past the good rate, steps double up to this many PROBE_STEPs
+SAME = 0.15  # a limit found again within this share is the same plateau
+PATIENCE_MAX = 8  # at most this many times PROBE_EVERY
+COOLDOWN = 5.0
+COOLDOWN_MAX = 300.0
+REPEAT = 10  # deliveries after a cool-down that show the site took us back
+QUIET = 900.0  # without traffic before what was learned starts to decay
+HALF_LIFE = 3 * 3600.0
+FORGET = 7 * 86400.0  # quiet this long: nothing is kept
+
+SLOW_STARTING = "slow-start"
+PAUSED = "paused"
+RECOVERING = "recovering"
+PROBING = "probing"
+AT_CEILING = "at-ceiling"
+
+
+class Learned(msgspec.Struct, frozen=True):
+    """What a destination taught, as it is saved across restarts."""
+
+    rate: float  # messages per second it was last sent at
+    good: float = 0.0  # acceptance measured at the last throttle signal; 0: none yet
+    rate_reply: str = ""  # the reply that taught the rate
+    concurrency: int = 0  # connections that worked when one more was refused; 0: no cap
+    concurrency_reply: str = ""
+    at: float = 0.0  # the last traffic; decay counts from here
+
+
+class Change(msgspec.Struct, frozen=True):
+    """A learned limit moved (the `limit_learned` log event)."""
+
+    what: str  # "rate" or "concurrency"
+    old: float
+    new: float
+    reply: str  # what taught it ("" for growth in slow start)
+
+
+def decayed(learned: Learned, now: float) -> Learned | None:
+    """`learned` after the time without traffic since `learned.at`; None once forgotten."""
+    idle = now - learned.at
+    if idle >= FORGET:
+        return None
+    if idle <= QUIET:
+        return learned
+    weight = 0.5 ** ((idle - QUIET) / HALF_LIFE)
+    good = learned.good * weight if weight >= 0.25 else 0.0  # long quiet: slow start again
+    return msgspec.structs.replace(
+        learned,
+        rate=SLOW_START + (learned.rate - SLOW_START) * weight,
+        good=good,
+        concurrency=learned.concurrency if weight >= 0.25 else 0,
+    )
+
+
+def kept(learned: Learned, now: float) -> bool:
+    """Whether `learned` is worth saving at `now`: not forgotten yet, and more than a
+    fresh slow start (most destinations get a message or two and never grow)."""
+    current = decayed(learned, now)
+    return current is not None and (
+        current.good > 0 or current.concurrency > 0 or current.rate != SLOW_START
+    )
+
+
+class RateLearner:
+    def __init__(self, now: float, learned: Learned | None = None) -> None:
+        learned = decayed(learned, now) if learned is not None else None
+        if learned is None:
+            learned = Learned(SLOW_START, at=now)
+        self.rate = learned.rate
+        self.good = learned.good
+        self.rate_reply = learned.rate_reply
+        self.concurrency = learned.concurrency
+        self.concurrency_reply = learned.concurrency_reply
+        self.paused_until = 0.0
+        self._at = learned.at  # the last traffic
+        self._cooldown = COOLDOWN
+        self._resumed = REPEAT  # deliveries since the last cool-down, up to REPEAT
+        self._patience = 1  # times PROBE_EVERY
+        self._stride = 1  # times PROBE_STEP
+        self._round_at = now
+        self._round_sent = 0
+        self._probe_count = 0
+        self._probe_at = now
+        self._since = now  # the measurement counts from here: start, or the last resume
+        self._deliveries: deque[float] = deque()
+        self._changes: list[Change] = []
+        self._logged_rate = self.rate
+
+    # -- what the shaper asks --------------------------------------------------------------
+
+    def limit(self, ceiling: float) -> float:
+        """The rate to send at under `ceiling` (0: none)."""
+        return min(self.rate, ceiling) if ceiling else self.rate
+
+    def wait(self, now: float) -> float:
+        """Seconds left of a cool-down (0.0: may send)."""
+        return max(0.0, self.paused_until - now)
+
+    def phase(self, now: float, ceiling: float) -> str:
+        if now < self.paused_until:
+            return PAUSED
+        if ceiling and self.rate >= ceiling:
+            return AT_CEILING
+        if not self.good:
+            return SLOW_STARTING
+        return RECOVERING if self.rate < NEAR * self.good else PROBING
+
+    # -- what it is told ---------------------------------------------------------------------
+
+    def sent(self, now: float) -> None:
+        """A message was let go (a round's use)."""
+        self._wake(now)
+        self._round_sent += 1
+
+    def delivered(self, now: float, ceiling: float) -> None:
+        """A real 2xx after the data: evidence, and a step of growth when one is due."""
+        self._wake(now)
+        self._deliveries.append(now)
+        while self._deliveries and self._deliveries[0] < now - WINDOW:
+            self._deliveries.popleft()
+        if now < self.paused_until:
+            return
+        self._resumed = min(self._resumed + 1, REPEAT)
+        if self.good and self.rate >= NEAR * self.good:
+            self._probe(now, ceiling)
+            return
+        elapsed = now - self._round_at
+        if elapsed < ROUND:
+            return
+        used = self._round_sent / (elapsed * self.rate)
+        self._round_at, self._round_sent = now, 0
+        if used < USED:
+            return  # sent below its allowance: nothing shows it would take more
+        if not self.good:
+            self._set_rate(self.rate * 2, ceiling, self.rate_reply)
+        else:
+            self._set_rate(min(self.rate * RECOVER, NEAR * self.good), ceiling, self.rate_reply)
+
+    def throttled(self, now: float, reply: str, *, rate: bool = True) -> bool:
+        """A throttle signal: pause, and cut the rate to BETA x the acceptance measured
+        just before (unless `rate` is False: a connection refused as one too many says
+        nothing of the rate). False when it belongs to the episode already cooled down."""
+        self._wake(now)
+        if now < self.paused_until:
+            return False
+        if self._resumed < REPEAT:
+            self._cooldown = min(self._cooldown * 2, COOLDOWN_MAX)
+        else:
+            self._cooldown = COOLDOWN
+        self.paused_until = now + self._cooldown
+        self._resumed = 0
+        if rate:
+            self._cut(now, reply)
+        # The measurement and the rounds start over when sending resumes.
+        self._since = self._round_at = self._probe_at = self.paused_until
+        self._round_sent = self._probe_count = 0
+        self._deliveries.clear()
+        return True
+
+    def _cut(self, now: float, reply: str) -> None:
+        measured = self.accepted(now)
+        good = min(self.rate, measured) if measured else self.rate * BETA
+        if not self.good:
+            good = max(good, self.rate / 2)
+        if self.good and abs(good - self.good) <= SAME * self.good:
+            self._patience = min(self._patience * 2, PATIENCE_MAX)
+        self.good = good
+        self._set_rate(max(MIN_RATE, BETA * good), 0.0, reply)
+        self._stride = 1
+
+    def too_many_connections(self, working: int, reply: str) -> None:
+        """One more connection than `working` was refused: the cap, remembered."""
+        working = max(1, working)
+        if working != self.concurrency:
+            self._changes.append(Change("concurrency", self.concurrency, working, reply))
+        self.concurrency, self.concurrency_reply = working, reply
+
+    def accepted(self, now: float) -> float:
+        """Deliveries a second over the WINDOW (or since sending resumed, if later)."""
+        span = min(WINDOW, now - self._since)
+        recent = sum(1 for t in self._deliveries if t >= now - WINDOW)
+        return recent / max(span, 1.0) if recent else 0.0
+
+    def changes(self) -> list[Change]:
+        """The changes since the last call (for the log)."""
+        changes, self._changes = self._changes, []
+        return changes
+
+    def learned(self) -> Learned:
+        return Learned(
+            self.rate,
+            self.good,
+            self.rate_reply,
+            self.concurrency,
+            self.concurrency_reply,
+            self._at,
+        )
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _probe(self, now: float, ceiling: float) -> None:
+        self._probe_count += 1
+        elapsed = now - self._probe_at
+        if elapsed < PROBE_SECONDS * self._patience:
+            return
+        if self._probe_count < PROBE_EVERY * self._patience and elapsed < PROBE_SLOW:
+            return
+        self._probe_count, self._probe_at = 0, now
+        if self.rate >= self.good:
+            self._stride = min(self._stride * 2, STRIDE_MAX)
+            step = PROBE_STEP * self.good * self._stride
+        else:  # a quarter of the way to the known limit: small steps as it comes near
+            step = max(PROBE_STEP * self.good, (self.good - self.rate) / 4)
+        self._set_rate(self.rate + step, ceiling, self.rate_reply)
+
+    def _set_rate(self, rate: float, ceiling: float, reply: str) -> None:
+        old = self.rate
+        self.rate = min(rate, ceiling) if ceiling else rate
+        self.rate_reply = reply
+        # A cut is always news; growth is, once it adds up to a quarter (not every step).
+        if self.rate < old or self.rate >= self._logged_rate * 1.25:
+            self._changes.append(Change("rate", self._logged_rate, self.rate, reply))
+            self._logged_rate = self.rate
+
+    def _wake(self, now: float) -> None:
+        """Traffic at `now`: what decayed while it was quiet is taken as learned."""
+        if now - self._at > QUIET:
+            current = decayed(self.learned(), now)
+            fresh = Learned(SLOW_START, at=now) if current is None else current
+            self.rate, self.good, self.concurrency = fresh.rate, fresh.good, fresh.concurrency
+        self._at = max(self._at, now)
+
+
+class _Saved(msgspec.Struct):
+    destinations: dict[str, Learned]
+    version: int = 1
+
+
+def encode(learned: dict[str, Learned]) -> bytes:
+    """The state file's content (spool/statefile.py writes it)."""
+    return msgspec.json.encode(_Saved(dict(sorted(learned.items()))))
+
+
+def decode(data: bytes) -> dict[str, Learned]:
+    """Raises msgspec.DecodeError (a subclass of ValueError) for a damaged file."""
+    return msgspec.json.decode(data, type=_Saved).destinations

@@ -1,0 +1,226 @@
+"""A destination's learned message rate (mtaqueue.policy.rate_learner), on a fake clock."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mtaqueue.policy import rate_learner as rl
+from mtaqueue.policy.buckets import TokenBucket
+from mtaqueue.policy.rate_learner import Learned, RateLearner
+
+
+def send_for(learner: RateLearner, start: float, seconds: float, ceiling: float = 0.0) -> float:
+    """Send at the learned rate, every message delivered; returns the end time."""
+    now = start
+    while now < start + seconds:
+        learner.sent(now)
+        learner.delivered(now, ceiling)
+        now += 1.0 / learner.limit(ceiling)
+    return now
+
+
+def test_slow_start_doubles_while_the_allowance_is_used():
+    learner = RateLearner(0.0)
+    assert learner.rate == rl.SLOW_START
+    assert learner.phase(0.0, 0.0) == rl.SLOW_STARTING
+    send_for(learner, 0.0, 5.0)
+    assert learner.rate >= rl.SLOW_START * 2**4  # about one doubling a second
+
+
+def test_an_idle_destination_does_not_grow():
+    learner = RateLearner(0.0)
+    for i in range(100):  # one message every 4 s: far under its 2/s
+        learner.sent(4.0 * i)
+        learner.delivered(4.0 * i, 0.0)
+    assert learner.rate == rl.SLOW_START
+
+
+def test_the_ceiling_holds_and_0_is_none():
+    learner = RateLearner(0.0)
+    send_for(learner, 0.0, 30.0, ceiling=5.0)
+    assert learner.limit(5.0) == 5.0
+    assert learner.phase(30.0, 5.0) == rl.AT_CEILING
+    assert learner.limit(0.0) == learner.rate  # no ceiling: still a rate, the learned one
+
+
+def test_a_signal_pauses_and_cuts_to_a_fraction_of_the_acceptance():
+    learner = RateLearner(0.0)
+    learner.good, learner.rate = 30.0, 40.0  # past slow start
+    for i in range(100):  # 10 a second accepted, sent at 40
+        learner.sent(i / 10)
+        learner.delivered(i / 10, 0.0)
+    assert learner.accepted(10.0) == pytest.approx(10.0, rel=0.05)
+    assert learner.throttled(10.0, "421 4.7.28 rate limited")
+    assert learner.good == pytest.approx(10.0, rel=0.05)
+    assert learner.rate == pytest.approx(rl.BETA * learner.good)
+    assert learner.wait(10.0) == rl.COOLDOWN
+    assert learner.phase(10.0, 0.0) == rl.PAUSED
+    assert learner.rate_reply == "421 4.7.28 rate limited"
+
+
+def test_in_slow_start_the_last_round_counts_as_good():
+    learner = RateLearner(0.0)
+    now = send_for(learner, 0.0, 4.0)
+    rate = learner.rate
+    learner.throttled(now, "421")
+    assert learner.good >= rate / 2  # the ramp undercounts; half the rate went through
+
+
+def test_replies_of_one_episode_are_one_signal():
+    learner = RateLearner(0.0)
+    send_for(learner, 0.0, 5.0)
+    assert learner.throttled(5.0, "421 a")
+    rate = learner.rate
+    for k in range(10):  # in flight when the first came, and during the cool-down
+        assert not learner.throttled(5.0 + k * 0.4, "421 b")
+    assert learner.rate == rate and learner.rate_reply == "421 a"
+
+
+def test_recovery_is_fast_then_the_probe_is_slow():
+    learner = RateLearner(0.0)
+    learner.good, learner.rate = 100.0, 70.0
+    now = send_for(learner, 0.0, 1.5)
+    assert learner.rate == pytest.approx(rl.NEAR * 100.0)  # 70 -> 85 in a round
+    assert learner.phase(now, 0.0) == rl.PROBING
+    start, delivered = now, 0
+    while learner.rate < 100.0:  # to the known limit by ever smaller steps
+        learner.sent(now)
+        learner.delivered(now, 0.0)
+        now += 1.0 / learner.rate
+        delivered += 1
+    # Seconds and hundreds of messages between episodes...
+    assert now - start >= 8 * rl.PROBE_SECONDS and delivered >= 8 * rl.PROBE_EVERY
+    # ... but past the known limit the steps double: a lifted limit is found soon.
+    start = now
+    while learner.rate < 150.0:
+        learner.sent(now)
+        learner.delivered(now, 0.0)
+        now += 1.0 / learner.rate
+    assert now - start <= 7 * rl.PROBE_SECONDS
+
+
+def test_a_signal_right_after_a_cool_down_doubles_the_next():
+    learner = RateLearner(0.0)
+    learner.throttled(0.0, "421")
+    assert learner.wait(0.0) == rl.COOLDOWN
+    learner.throttled(rl.COOLDOWN, "421")  # nothing went through in between
+    assert learner.wait(rl.COOLDOWN) == 2 * rl.COOLDOWN
+    # Once it took mail again, the next episode starts from the short cool-down.
+    now = send_for(learner, 3 * rl.COOLDOWN, 30.0)
+    learner.throttled(now, "421")
+    assert learner.wait(now) == rl.COOLDOWN
+
+
+def test_too_many_connections_is_remembered_with_its_reply():
+    learner = RateLearner(0.0)
+    learner.too_many_connections(3, "421 4.7.0 Error: too many connections from 127.0.0.1")
+    learner.too_many_connections(3, "421 4.7.0 Error: too many connections from 127.0.0.1")
+    assert learner.concurrency == 3
+    assert [(c.what, c.old, c.new) for c in learner.changes()] == [("concurrency", 0, 3)]
+    assert learner.changes() == []
+    assert learner.learned().concurrency == 3
+
+
+def test_changes_report_cuts_and_growth_by_a_quarter():
+    learner = RateLearner(0.0)
+    send_for(learner, 0.0, 3.0)
+    learner.throttled(3.0, "450 4.7.1 Error: too much mail from 127.0.0.1")
+    changes = learner.changes()
+    assert [c.what for c in changes] == ["rate"] * len(changes)
+    growth, cut = changes[:-1], changes[-1]
+    assert all(c.new >= 1.25 * c.old for c in growth) and growth
+    assert cut.new < cut.old and cut.reply.startswith("450 4.7.1")
+
+
+def test_what_was_learned_survives_and_decays_after_hours():
+    learner = RateLearner(0.0)
+    learner.good, learner.rate = 50.0, 40.0
+    learner.too_many_connections(4, "421 too many connections")
+    send_for(learner, 0.0, 1.0)
+    saved = msgspec.json.decode(msgspec.json.encode(learner.learned()), type=Learned)
+    # A restart a minute later starts where it was.
+    again = RateLearner(60.0, saved)
+    assert (again.rate, again.good, again.concurrency) == (learner.rate, 50.0, 4)
+    # After hours without traffic it is halfway (per HALF_LIFE) back to the slow start...
+    later = RateLearner(saved.at + rl.QUIET + rl.HALF_LIFE, saved)
+    assert later.rate == pytest.approx(rl.SLOW_START + (learner.rate - rl.SLOW_START) / 2)
+    # ... and after days it starts over.
+    assert rl.decayed(saved, saved.at + rl.FORGET) is None
+    fresh = RateLearner(saved.at + rl.FORGET, saved)
+    assert (fresh.rate, fresh.good, fresh.concurrency) == (rl.SLOW_START, 0.0, 0)
+
+
+def test_only_lessons_are_kept():
+    assert not rl.kept(Learned(rl.SLOW_START, at=0.0), 1.0)  # a message or two: nothing
+    assert rl.kept(Learned(8.0, at=0.0), 1.0)  # grew: the rate it took
+    assert rl.kept(Learned(rl.SLOW_START, concurrency=2, at=0.0), 1.0)
+    assert not rl.kept(Learned(8.0, 9.0, at=0.0), rl.FORGET)
+
+
+def test_a_long_quiet_spell_in_one_run_decays_too():
+    learner = RateLearner(0.0)
+    learner.good, learner.rate = 50.0, 40.0
+    learner.sent(0.0)
+    learner.sent(rl.QUIET + 3 * rl.HALF_LIFE)
+    assert learner.rate < 40.0 / 4 + rl.SLOW_START
+
+
+# -- properties: a provider whose limit nobody told us ------------------------------------------
+
+
+def drive(limit: float, burst: int, in_flight: int, seconds: float, ceiling: float = 0.0):
+    """Send at the learned rate to a provider that takes `limit` a second (a token bucket
+    of `burst`) and throttles the rest; `in_flight` transactions are out when the first
+    throttle reply comes, and all get one. Returns (learner, delivered, throttle replies,
+    the highest rate seen, whether every pause was honoured)."""
+    learner = RateLearner(0.0)
+    provider = TokenBucket(limit, burst, 0.0)
+    now, delivered, replies, highest, honoured = 0.0, 0, 0, 0.0, True
+    while now < seconds:
+        wait = learner.wait(now)
+        if wait:
+            now += wait
+            continue
+        honoured &= learner.wait(now) == 0
+        learner.sent(now)
+        if provider.wait(now) == 0:
+            provider.take(now)
+            learner.delivered(now, ceiling)
+            delivered += 1
+        else:
+            for k in range(in_flight):  # one episode: only the first is a signal
+                signal = learner.throttled(now + k * 1e-3, "421 4.7.28 rate limited")
+                assert signal == (k == 0)
+            replies += in_flight
+        highest = max(highest, learner.limit(ceiling))
+        now += 1.0 / learner.limit(ceiling)
+    return learner, delivered, replies, highest, honoured
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    limit=st.floats(1.0, 300.0),
+    burst_share=st.floats(0.0, 1.0),
+    in_flight=st.integers(1, 5),
+)
+def test_it_converges_under_any_limit_with_few_throttle_replies(limit, burst_share, in_flight):
+    """A provider of a few to hundreds a second: after ten minutes most of its capacity was
+    used, and throttle replies stay a handful per thousand delivered."""
+    seconds = 600.0
+    burst = max(1, int(limit * burst_share))
+    learner, delivered, replies, _, honoured = drive(limit, burst, in_flight, seconds)
+    assert honoured
+    assert delivered >= 0.7 * limit * seconds
+    assert replies <= 5 * in_flight + 4 * in_flight * delivered / 1000
+    assert learner.rate <= 1.5 * limit  # near it, not racing away
+
+
+@settings(max_examples=30, deadline=None)
+@given(limit=st.floats(0.5, 300.0), ceiling=st.floats(0.1, 400.0))
+def test_the_ceiling_is_never_passed(limit, ceiling):
+    learner, *_, highest, _ = drive(limit, 1, 2, 120.0, ceiling=ceiling)
+    assert highest <= ceiling + 1e-9
+    assert learner.rate >= rl.MIN_RATE

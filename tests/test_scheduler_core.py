@@ -1,0 +1,393 @@
+"""The scheduler's sans-IO core (mtaqueue.scheduler.core) with a fake clock: every connection
+and every message permitted in one place, whatever the order of events."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from mtaqueue import config
+from mtaqueue.config import DEFAULT_CLASSES
+from mtaqueue.policy.classify import classify
+from mtaqueue.policy.replies import Reply
+from mtaqueue.policy.shaper import DestinationShaper
+from mtaqueue.scheduler.core import (
+    Close,
+    Connect,
+    Dispatch,
+    GiveUp,
+    Release,
+    Scheduler,
+    Send,
+    Wake,
+)
+
+CLASSES = {name: (c.priority, c.weight) for name, c in DEFAULT_CLASSES.items()}
+T0 = 1_000_000.0
+OK = Reply("data_end", 250, "2.0.0", "ok")
+THROTTLED = Reply("mail", 421, "4.7.28", "rate limited")
+DEFERRED = Reply("rcpt", 451, "4.3.0", "try later")
+
+
+def pacing(**keys) -> config.Pacing:
+    return config.Pacing(**keys)
+
+
+def scheduler(p: config.Pacing, *, max_connections: int = 100, idle: float = 5.0):
+    sched = Scheduler(CLASSES, max_connections=max_connections, connection_idle=idle)
+    sched.add_destination("d", DestinationShaper(p, config.ShapingConfig(), T0), p)
+    return sched
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_due_messages_are_dispatched_together_when_due():
+    sched = scheduler(pacing())
+    assert sched.schedule(T0, "m1", T0 + 5) == [Wake(T0 + 5)]
+    assert sched.schedule(T0, "m2", T0 + 6) == []  # not the first due: the Wake stands
+    assert sched.schedule(T0, "m3", T0 + 4) == [Wake(T0 + 4)]
+    assert of(sched.tick(T0 + 4.5), Dispatch) == [Dispatch(("m3",))]
+    assert of(sched.tick(T0 + 6), Dispatch) == [Dispatch(("m1", "m2"))]
+
+
+def test_a_reload_reclassifies_waiting_items_and_an_idle_destination_is_forgotten():
+    sched = scheduler(pacing(initial_connections=1, max_connections=1))
+    (first,) = of(sched.enqueue(T0, "d", "x", "p2"), Connect)
+    sched.enqueue(T0, "d", "gone", "bulk2")  # an unknown class goes with the first class
+    sched.enqueue(T0, "d", "y", "p2")
+    assert sched.waiting("d") == {"p0": 1, "p1": 0, "p2": 1}
+    assert not sched.forget("d")  # a slot and waiting items
+    sched.reclassify({"p0": (0, 1), "p2": (2, 1)})
+    assert sched.waiting("d") == {"p0": 1, "p2": 1}
+    assert sched.remove(T0, lambda item: True, key="d") == ["gone", "y"]
+    sched.abandon(T0, first.conn)  # every host suspended, say: no feedback, slot free
+    assert sched.slots("d") == (0, 0)
+    assert sched.forget("d")
+
+
+def test_the_connection_rate_holds_across_reconnects_and_the_next_host():
+    """connections_per_minute=3 (burst 3) with one message per connection: the first
+    connect fails over to the next host, the next connections follow the rate."""
+    p = pacing(connections_per_minute=3, burst=3, messages_per_connection=1, initial_connections=1)
+    sched = scheduler(p)
+    now = T0
+    actions = []
+    for i in range(5):
+        actions += sched.enqueue(now, "d", f"m{i}", "p1")
+    (first,) = of(actions, Connect)
+    (again,) = of(sched.connect_failed(now, first.conn, more_hosts=True), Connect)
+    assert again.conn == first.conn and again.item == first.item  # the next host: token 2
+    opened = [again]
+    send = of(sched.connected(now, again.conn), Send)
+    for _ in range(3):
+        assert send
+        actions = sched.done(now, send[0].conn, reusable=True, replies=[(OK, classify(OK, ()))])
+        assert of(actions, Close)  # messages_per_connection
+        connects = of(actions, Connect)
+        if not connects:
+            break
+        opened += connects
+        send = of(sched.connected(now, connects[0].conn), Send)
+    assert len(opened) == 2  # tokens 2 and 3; the fourth is 20 s away
+    (wake,) = of(actions, Wake)
+    assert wake.at == T0 + 20
+    assert of(sched.tick(T0 + 19.9), Connect) == []
+    assert len(of(sched.tick(T0 + 20), Connect)) == 1
+
+
+def test_p0_takes_a_reserved_slot_while_bulk_holds_the_others():
+    p = pacing(max_connections=2, initial_connections=2, reserved_p0=1)
+    sched = scheduler(p)
+    actions = []
+    for i in range(3):
+        actions += sched.enqueue(T0, "d", f"bulk{i}", "p2")
+    (bulk,) = of(actions, Connect)  # one ordinary slot: max(1, 2 - 1)
+    assert not bulk.first_class
+    (reset,) = of(sched.enqueue(T0, "d", "reset", "p0"), Connect)
+    assert reset.item == "reset" and reset.first_class
+    assert sched.slots("d") == (2, 1)
+
+
+def test_a_throttle_reply_stops_new_connections_and_idle_ones_close():
+    p = pacing(max_connections=4, initial_connections=4, reserved_p0=0)
+    sched = scheduler(p)
+    actions = []
+    for i in range(8):
+        actions += sched.enqueue(T0, "d", f"m{i}", "p1")
+    connects = of(actions, Connect)
+    assert len(connects) == 4
+    for c in connects:
+        sched.connected(T0, c.conn)
+    verdict = classify(THROTTLED, ())
+    actions = sched.done(T0, connects[0].conn, reusable=True, replies=[(THROTTLED, verdict)])
+    assert of(actions, Close)  # over the new limit: it closes instead of taking more
+    assert sched.slots("d")[0] <= 3
+
+
+def test_a_probe_that_closes_the_circuit_releases_what_waited():
+    shaping = config.ShapingConfig(breaker_failures=1, breaker_cooldown=10.0)
+    p = pacing(initial_connections=1, max_connections=1)
+    sched = Scheduler(CLASSES, max_connections=10, connection_idle=5.0)
+    sched.add_destination("d", DestinationShaper(p, shaping, T0), p)
+    (first,) = of(sched.enqueue(T0, "d", "m0", "p1"), Connect)
+    for i in range(1, 4):
+        sched.enqueue(T0, "d", f"m{i}", "p1")
+    refused = Reply("connect", 0, network="refused")
+    actions = sched.connect_failed(
+        T0, first.conn, more_hosts=False, reply=refused, verdict=classify(refused, ())
+    )
+    assert of(actions, GiveUp) and not of(actions, Connect)  # the breaker is open
+    (probe,) = of(sched.tick(T0 + 10), Connect)  # half-open: one probe
+    sched.connected(T0 + 10, probe.conn)
+    actions = sched.done(T0 + 10, probe.conn, reusable=True, replies=[(OK, classify(OK, ()))])
+    assert of(actions, Release) == [Release("d", ("m2", "m3"))]
+    assert not of(actions, Send) and sched.waiting("d")["p1"] == 0
+
+
+class Storm(RuleBasedStateMachine):
+    """A driver that completes the core's actions in any order, against two destinations,
+    with the clock moving; every permission is checked against what pacing allows."""
+
+    @initialize(
+        max_connections=st.integers(1, 4),
+        initial=st.integers(1, 4),
+        reserved=st.integers(0, 2),
+        connections_per_minute=st.sampled_from([0, 3, 30]),
+        messages_per_minute=st.sampled_from([0, 6, 60]),
+        burst=st.integers(1, 3),
+        per_connection=st.integers(1, 3),
+        total=st.integers(1, 5),
+    )
+    def setup(
+        self,
+        max_connections,
+        initial,
+        reserved,
+        connections_per_minute,
+        messages_per_minute,
+        burst,
+        per_connection,
+        total,
+    ):
+        self.pacing = pacing(
+            max_connections=max_connections,
+            initial_connections=initial,
+            reserved_p0=reserved,
+            connections_per_minute=connections_per_minute,
+            messages_per_minute=messages_per_minute,
+            burst=burst,
+            messages_per_connection=per_connection,
+        )
+        self.total = total
+        self.now = T0
+        self.sched = Scheduler(CLASSES, max_connections=total, connection_idle=5.0)
+        self.shapers = {}
+        for key in ("a", "b"):
+            shaper = DestinationShaper(self.pacing, config.ShapingConfig(), T0)
+            self.shapers[key] = shaper
+            self.sched.add_destination(key, shaper, self.pacing)
+        self.ids = itertools.count()
+        self.klass: dict[str, str] = {}
+        self.waiting = {key: {"p0": 0, "p2": 0} for key in self.shapers}
+        self.slots: dict[int, dict] = {}  # conn -> destination, first_class, state, item
+        self.connects = {key: [] for key in self.shapers}
+        self.messages = {key: [] for key in self.shapers}
+        self.wake: float | None = None
+
+    # -- what the core says -------------------------------------------------------------
+
+    def apply(self, actions) -> None:
+        for action in actions:
+            if isinstance(action, Connect):
+                self.connect(action)
+            elif isinstance(action, Send):
+                slot = self.slots[action.conn]
+                assert slot["state"] in ("connected", "idle")
+                if slot["state"] == "idle":
+                    self.hand_out(slot["destination"], action.item)
+                slot["state"], slot["item"] = "sending", action.item
+            elif isinstance(action, Close):
+                assert self.slots.pop(action.conn)["state"] in ("idle", "done")
+            elif isinstance(action, GiveUp):
+                assert self.slots.pop(action.conn)["state"] in ("waiting", "failed")
+            elif isinstance(action, Release):
+                for item in action.items:  # the driver schedules them again, spread out
+                    self.waiting[action.destination][self.klass[item]] -= 1
+            elif isinstance(action, Wake):
+                self.wake = action.at
+            else:
+                assert isinstance(action, Dispatch)
+
+    def connect(self, action: Connect) -> None:
+        key = action.destination
+        shaper = self.shapers[key]
+        self.connects[key].append(self.now)
+        slot = self.slots.get(action.conn)
+        if slot is not None:  # the next host of a failed connect: the same slot and item
+            assert slot["state"] == "waiting" and slot["item"] == action.item
+            slot["state"] = "connecting"
+            return
+        self.hand_out(key, action.item)
+        self.slots[action.conn] = {
+            "destination": key,
+            "first_class": action.first_class,
+            "state": "connecting",
+            "item": action.item,
+        }
+        assert action.first_class == (self.klass[action.item] == "p0") or not action.first_class
+        here = [s for s in self.slots.values() if s["destination"] == key]
+        limit = shaper.concurrency.limit
+        assert len(self.slots) <= self.total, "the global connection cap"
+        assert len(here) <= limit <= max(self.pacing.max_connections, limit), "the limit"
+        if not action.first_class:
+            ordinary = sum(not s["first_class"] for s in here)
+            assert ordinary <= max(1, limit - self.pacing.reserved_p0), "a reserved slot"
+
+    def hand_out(self, key: str, item: str) -> None:
+        klass = self.klass[item]
+        if klass != "p0":
+            assert self.waiting[key]["p0"] == 0, "bulk went while p0 waited"
+        self.waiting[key][klass] -= 1
+        self.messages[key].append(self.now)
+
+    # -- what the driver does ------------------------------------------------------------
+
+    @rule(key=st.sampled_from(["a", "b"]), klass=st.sampled_from(["p0", "p2"]))
+    def enqueue(self, key, klass):
+        item = f"{klass}-{next(self.ids)}"
+        self.klass[item] = klass
+        self.waiting[key][klass] += 1
+        self.apply(self.sched.enqueue(self.now, key, item, klass))
+
+    @rule(seconds=st.floats(0, 30))
+    def advance(self, seconds):
+        self.now += seconds
+        self.apply(self.sched.tick(self.now))
+
+    @precondition(lambda self: self.wake is not None)
+    @rule()
+    def timer(self):
+        self.now = max(self.now, self.wake)
+        self.wake = None
+        self.apply(self.sched.tick(self.now))
+
+    def pick(self, state: str, index: int) -> int | None:
+        conns = sorted(c for c, s in self.slots.items() if s["state"] == state)
+        return conns[index % len(conns)] if conns else None
+
+    @rule(index=st.integers(0, 9), latency=st.floats(0.001, 2.0))
+    def connected(self, index, latency):
+        conn = self.pick("connecting", index)
+        if conn is not None:
+            self.slots[conn]["state"] = "connected"
+            self.apply(self.sched.connected(self.now, conn, latency))
+
+    @rule(index=st.integers(0, 9))
+    def abandon(self, index):
+        conn = self.pick("connecting", index)
+        if conn is not None:
+            del self.slots[conn]
+            self.apply(self.sched.abandon(self.now, conn))
+
+    @rule(index=st.integers(0, 9), more=st.booleans())
+    def connect_failed(self, index, more):
+        conn = self.pick("connecting", index)
+        if conn is not None:
+            self.slots[conn]["state"] = "waiting" if more else "failed"
+            reply = Reply("banner", 421, "4.7.0", "too many connections") if more else None
+            failed = self.sched.connect_failed(
+                self.now,
+                conn,
+                more_hosts=more,
+                reply=reply,
+                verdict=None if reply is None else classify(reply, ()),
+            )
+            self.apply(failed)
+
+    @rule(
+        index=st.integers(0, 9),
+        reusable=st.booleans(),
+        reply=st.sampled_from([OK, THROTTLED, DEFERRED]),
+    )
+    def done(self, index, reusable, reply):
+        conn = self.pick("sending", index)
+        if conn is not None:
+            slot = self.slots[conn]
+            slot["state"] = "idle" if reusable else "gone"
+            slot["item"] = None
+            if not reusable:
+                del self.slots[conn]  # its slot ends: the core says nothing more of it
+            actions = self.sched.done(
+                self.now, conn, reusable=reusable, replies=[(reply, classify(reply, ()))]
+            )
+            if reusable and conn in self.slots:
+                slot["state"] = "done"  # a Close or a Send follows, or it idles
+                closes = [a for a in actions if isinstance(a, Close) and a.conn == conn]
+                sends = [a for a in actions if isinstance(a, Send) and a.conn == conn]
+                if not closes:
+                    slot["state"] = "idle"
+                self.apply(actions)
+                assert closes or sends or self.slots[conn]["state"] == "idle"
+            else:
+                self.apply(actions)
+
+    @rule(key=st.sampled_from(["a", "b"]), concurrency=st.integers(1, 3))
+    def operator_limit(self, key, concurrency):
+        self.shapers[key].override(
+            self.now, rate_per_minute=None, concurrency=concurrency, until=None
+        )
+        self.apply(self.sched.tick(self.now))
+
+    # -- what must hold -------------------------------------------------------------------
+
+    @invariant()
+    def rates_hold(self):
+        for key in self.shapers:
+            for times, per_minute in (
+                (self.connects[key], self.pacing.connections_per_minute),
+                (self.messages[key], self.pacing.messages_per_minute),
+            ):
+                if not per_minute:
+                    continue
+                for i, j in itertools.combinations(range(len(times)), 2):
+                    allowed = self.pacing.burst + per_minute / 60 * (times[j] - times[i])
+                    assert j - i + 1 <= allowed + 1e-6, f"{key}: rate exceeded"
+
+    @invariant()
+    def idle_connections_are_admitted(self):
+        """An idle connection over a lowered limit (a throttle cut, an operator) closed."""
+        for key, shaper in self.shapers.items():
+            here = [s for s in self.slots.values() if s["destination"] == key]
+            reserved = sum(s["first_class"] for s in here)
+            for slot in here:
+                if slot["state"] == "idle":
+                    assert shaper.keeps(self.now, len(here), reserved, slot["first_class"])
+
+    @invariant()
+    def p0_goes_when_it_may(self):
+        """p0 never waits behind bulk: if it waits at a destination whose pacing would
+        let it go now, the core has acted (work-conserving for the first class)."""
+        for key, shaper in self.shapers.items():
+            if not self.waiting[key]["p0"] or shaper.send_wait(self.now) > 0:
+                continue
+            here = [s for s in self.slots.values() if s["destination"] == key]
+            assert not any(s["state"] == "idle" for s in here), "an idle connection"
+            reserved = sum(s["first_class"] for s in here)
+            if len(self.slots) < self.total:
+                wait = shaper.connect_wait(self.now, len(here), reserved, first_class=True)
+                assert wait > 0, "p0 could have had a connection"
+
+
+Storm.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_storm = Storm.TestCase
