@@ -511,14 +511,7 @@ class DeliveryManager:
         reply = link.failures[-1].reply
         host = link.failures[-1].remote_mta
         results = [self.sender.result(i, reply, host, None) for i in item.indexes]
-        now = time.time()
-        self._finish(
-            item.message_id,
-            item.indexes,
-            results,
-            retry_factor=destination.shaper.retry_factor(now),
-            destination=destination.key,
-        )
+        self._settle_item(destination, item, results, time.time())
         self._retire(destination)
 
     def _suspended(self, destination: Destination, item: WorkItem, wait: Suspended) -> None:
@@ -570,13 +563,7 @@ class DeliveryManager:
         now = time.time()
         for result in {id(r.reply): r for r in results}.values():
             destination.record(now, result.reply)
-        self._finish(
-            item.message_id,
-            item.indexes,
-            results,
-            retry_factor=destination.shaper.retry_factor(now),
-            destination=destination.key,
-        )
+        self._settle_item(destination, item, results, now)
         self._done(conn, link, results)
 
     def _done(
@@ -701,6 +688,16 @@ class DeliveryManager:
             self._schedule(item.message_id, start)
 
     # -- after an attempt -----------------------------------------------------------------
+
+    def _settle_item(self, destination: Destination, item: WorkItem, results, now: float) -> None:
+        """Settle a work item's attempt, its retries scaled by the destination's mode."""
+        self._finish(
+            item.message_id,
+            item.indexes,
+            results,
+            retry_factor=destination.shaper.retry_factor(now),
+            destination=destination.key,
+        )
 
     def _finish(
         self,
