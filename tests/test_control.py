@@ -218,6 +218,58 @@ def test_status_human(sock_path: str, capsys: pytest.CaptureFixture[str]) -> Non
     assert any(line.split() == ["listen", "127.0.0.1:25,", "[::1]:25"] for line in lines)
 
 
+# A destination as `domains --json` gave it against a provider taking 10 messages a second
+# and 3 connections (docs/runbooks.md), replies shortened.
+PROBING = {
+    "destination": "mx.example.org:25",
+    "routed": True,
+    "domains": ["example.org"],
+    "queued": {"p0": 0, "p1": 331, "p2": 0},
+    "deferred": {"p1": 4},
+    "active": 2,
+    "limit": 3,
+    "mode": "normal",
+    "stage": 0,
+    "circuit": "closed",
+    "messages_per_minute": 662.4563250000001,
+    "connections_per_minute": 0.0,
+    "learned": {
+        "rate_per_minute": 662.4563250000001,
+        "good_per_minute": 723.4999999999999,
+        "rate_reply": "421 4.7.28 [127.0.0.1] Our system has detected an unusual rate",
+        "concurrency": 3,
+        "concurrency_reply": "421 4.7.0 Too many concurrent SMTP connections",
+        "phase": "probing",
+        "probing": True,
+        "paused_until": None,
+    },
+    "override": None,
+    "suspended_hosts": {},
+    "deferral_rate": 0.02,
+    "last_replies": [],
+}
+
+
+def test_domains_human_shows_a_learned_rate_plainly(
+    loop: LoopThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def domains(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        yield PROBING
+
+    path = str(tmp_path / "c.sock")
+    server = serve(loop, path, {"domains": domains})
+    try:
+        code, out, _ = run_ctl(capsys, "-s", path, "domains")
+    finally:
+        loop.run(server.close())
+    assert code == 0
+    lines = out.splitlines()
+    # A tenth of a message a minute, not six decimals; "probing" said once.
+    assert "  rates       662.5/min messages, unlimited connections" in lines
+    assert "  learned     rate 662.5/min (probing), it took 723.5/min" in lines
+    assert "  learned     at most 3 connections" in lines
+
+
 @pytest.mark.parametrize(
     ("seconds", "text"),
     [(0, "0s"), (12.5, "12s"), (185, "3m 05s"), (7210, "2h 00m 10s"), (86400, "1d 00h 00m 00s")],

@@ -253,7 +253,8 @@ def _counts(counts: dict[str, int] | None) -> str:
 
 
 def _per_minute(rate: float) -> str:
-    return f"{rate:g}/min" if rate else "unlimited"
+    # A tenth is enough for people (a learned rate has many digits), and no exponent.
+    return f"{round(rate, 1):g}/min" if rate else "unlimited"
 
 
 def _domains_show(reply: Reply, out: TextIO) -> None:
@@ -299,10 +300,11 @@ def _learned_show(learned: dict, out: TextIO) -> None:
     phase = learned.get("phase", "")
     if learned.get("paused_until"):
         phase = f"paused until {_time(learned['paused_until'])}"
-    probing = ", probing" if learned.get("probing") else ""
-    out.write(f"  learned     rate {learned['rate_per_minute']:.4g}/min ({phase}{probing})")
+    # Slow start probes too; the probing phase needs no second word for it.
+    probing = ", probing" if learned.get("probing") and phase != "probing" else ""
+    out.write(f"  learned     rate {_per_minute(learned['rate_per_minute'])} ({phase}{probing})")
     if learned.get("good_per_minute"):
-        out.write(f", it took {learned['good_per_minute']:.4g}/min")
+        out.write(f", it took {_per_minute(learned['good_per_minute'])}")
     out.write("\n")
     out.write(f"    taught by {learned.get('rate_reply') or 'nothing yet (slow start)'}\n")
     if learned.get("concurrency"):
