@@ -144,3 +144,45 @@ def test_a_throttling_greeting_paces_and_suspends_not_the_only_host(start_daemon
         assert (first["code"], first["kind"]) == (421, "throttling")
         (dest,) = [json.loads(line) for line in daemon.ctl("domains", "--json").stdout.splitlines()]
         assert (dest["mode"], dest["circuit"], dest["suspended_hosts"]) == ("normal", "closed", {})
+
+
+def test_an_operator_makes_a_destination_learn_anew(start_daemon):
+    """`mtaqueue-ctl forget`: a destination that taught a low rate (a provider's incident,
+    since over) starts again from the slow start, and the lesson is not saved; one only
+    remembered from before a restart (nothing routed to it yet) is dropped by its name."""
+    with MailNet(["127.0.0.2"]) as net:
+        (peer,) = net.peers
+        net.add_domain("example.org", "127.0.0.2")
+        peer.on("banner", "421 4.7.28 rate limited, try again later", times=1)
+        daemon = start_daemon(*net.daemon_overrides(), *FAST)
+        daemon.send("app@sender.test", ["a@example.org"], BODY)
+        wait_for(lambda: peer.messages, what="delivery after the throttled greeting")
+        (dest,) = [json.loads(line) for line in daemon.ctl("domains", "--json").stdout.splitlines()]
+        assert dest["learned"]["rate_reply"].startswith("421 4.7.28")
+        assert dest["learned"]["rate_per_minute"] < 120.0  # cut below the slow start
+
+        forgot = daemon.ctl("forget", "--domain", "example.org")
+        assert forgot.returncode == 0 and forgot.stdout == "applied to 1 destination(s)\n"
+        (dest,) = [json.loads(line) for line in daemon.ctl("domains", "--json").stdout.splitlines()]
+        assert dest["learned"]["rate_per_minute"] == 120.0
+        assert (dest["learned"]["rate_reply"], dest["learned"]["phase"]) == ("", "slow-start")
+        assert daemon.stop() == 0
+        saved = json.loads((daemon.spool / "learned.json").read_bytes())
+        assert saved == {"destinations": {}, "version": 1}
+
+        # A lesson remembered from before a restart, for a destination nothing has routed
+        # to since: named as `domains` and learned.json name it.
+        key = dest["destination"]
+        lesson = {"rate": 0.5, "good": 0.6, "rate_reply": "421 4.7.28 slow down", "at": time.time()}
+        (daemon.spool / "learned.json").write_text(
+            json.dumps({"destinations": {key: lesson}, "version": 1})
+        )
+        daemon.start()
+        assert daemon.ctl("forget", "--domain", key).stdout == "applied to 1 destination(s)\n"
+        assert daemon.ctl("forget", "--domain", "example.net").stdout == (
+            "applied to 0 destination(s)\n"
+        )
+        assert [e["destination"] for e in events(daemon, "learned_forgotten")] == [key]
+        assert daemon.stop() == 0
+        saved = json.loads((daemon.spool / "learned.json").read_bytes())
+        assert saved == {"destinations": {}, "version": 1}

@@ -291,6 +291,22 @@ def test_too_many_connections_at_the_greeting_caps_concurrency_not_the_host():
     assert shaper.learned().concurrency == 3  # remembered
 
 
+def test_forgetting_lifts_a_learned_cap_and_rate_but_not_the_operators_limit():
+    shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=8))
+    shaper.result(0.0, TOO_MANY, classify(TOO_MANY), active=4)
+    report(shaper, 10.0, THROTTLED)
+    shaper.override(10.0, rate_per_minute=300, concurrency=None, until=None)
+    assert (shaper.snapshot(10.0)["max"], shaper.learned().concurrency) == (3, 3)
+    shaper.forget(11.0)
+    snap = shaper.snapshot(11.0)
+    assert snap["max"] == 8  # the configured ceiling again, not the learned 3
+    assert snap["learned"]["phase"] == "slow-start" and not snap["learned"]["concurrency"]
+    assert shaper.send_wait(11.0) == 0  # no cool-down left either
+    assert snap["messages_per_minute"] == pytest.approx(120)  # the slow start, under
+    assert snap["override"]["rate_per_minute"] == 300  # the operator's ceiling, kept
+    assert shaper.learned().good == 0 and shaper.learned().rate_reply == ""
+
+
 def test_a_throttle_rule_hit_is_a_throttle_signal():
     rule = ThrottleRule(match="(?i)temporarily deferred", threshold=1)
     shaper = shaper_at(throttle_rules=[rule])

@@ -355,6 +355,14 @@ def _backoff_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "backoff", {"domain": args.domain, "for": args.ttl}
 
 
+def _forget_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--domain", required=True, help="a domain or a destination name")
+
+
+def _forget_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "forget", {"domain": args.domain}
+
+
 def _steer_show(reply: Reply, out: TextIO) -> None:
     for result in reply:
         until = f" until {_time(result['until'])}" if result.get("until") else ""
@@ -456,6 +464,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "backoff": Subcommand(
         "put a destination in backoff mode", _backoff_options, _backoff_request, _steer_show
+    ),
+    "forget": Subcommand(
+        "learn a destination's rate and connection cap anew (slow start)",
+        _forget_options,
+        _forget_request,
+        _steer_show,
     ),
     "suppress": Subcommand(
         "the suppression list (list, add, remove)",

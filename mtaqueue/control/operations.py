@@ -1,4 +1,5 @@
-"""Control commands that steer delivery: hold, release, flush, domains, limit, backoff."""
+"""Control commands that steer delivery: hold, release, flush, domains, limit, backoff,
+forget."""
 
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ def operation_commands(
         until = _until(args.get("for") or "15m")
         yield {"destinations": manager.backoff(_name(args), until), "until": until}
 
+    async def forget(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        yield {"destinations": manager.forget_learned(_name(args))}
+
     return {
         "hold": bulk(manager.hold, "held"),
         "release": bulk(manager.release, "released"),
@@ -72,6 +76,7 @@ def operation_commands(
         "domains": domains,
         "limit": limit,
         "backoff": backoff,
+        "forget": forget,
     }
 
 

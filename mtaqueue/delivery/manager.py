@@ -905,6 +905,21 @@ class DeliveryManager:
 
         return self._steer(name, apply)
 
+    def forget_learned(self, name: str) -> int:
+        """Drop what destinations (by domain or destination name) learned: live ones start
+        over from the slow start, remembered ones are no longer saved. Once, unlike a limit:
+        what they learn from now on is kept."""
+        name = name.lower()
+        now = time.time()
+        live = [d for d in self.destinations.values() if name == d.key or name in d.domains]
+        for destination in live:
+            destination.shaper.forget(now)
+        keys = {d.key for d in live} | ({name} & self._learned.keys())
+        for key in keys:
+            self._learned.pop(key, None)
+            log.info("learned_forgotten", destination=key)
+        return len(keys)
+
     def _steer(self, name: str, apply: Callable[[DestinationShaper, float], None]) -> int:
         """Apply to matching destinations now, and to one that appears later."""
         name = name.lower()

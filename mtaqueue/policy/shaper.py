@@ -226,6 +226,12 @@ class DestinationShaper:
             self.backoff.clear()
         self._apply(now)
 
+    def forget(self, now: float) -> None:
+        """Learn the destination anew from the slow start (mtaqueue-ctl forget): its rate,
+        the limit it taught and its connection cap. Operator limits and backoff stay."""
+        self.learner = RateLearner(now)
+        self._apply(now)
+
     def state(self, now: float) -> ShaperState:
         self._apply(now)
         return ShaperState(self.breaker.state(now), self.backoff.mode(now), self.backoff.stage(now))
