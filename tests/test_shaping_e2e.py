@@ -133,6 +133,10 @@ def test_domains_view_and_runtime_limit(provider):
     assert ctl_json(daemon, "backoff", "--domain", name, "--for", "10m")[0]["destinations"] == 1
     (dest,) = ctl_json(daemon, "domains")
     assert dest["mode"] == "backoff"
+    # `--for 0` ends it at once (docs/runbooks.md, flushing one domain).
+    ctl_json(daemon, "backoff", "--domain", name, "--for", "0")
+    (dest,) = ctl_json(daemon, "domains")
+    assert dest["mode"] == "normal"
 
 
 def test_domains_lists_mail_deferred_on_a_suspended_host(provider):
