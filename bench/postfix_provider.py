@@ -37,11 +37,9 @@ Times come from the receiver's maillog (cleanup's `message-id=` line): whole sec
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -55,21 +53,18 @@ from common import free_port, work_directory  # noqa: E402
 from postfix_instance import PostfixInstance, Postgrey, postfix_available, received  # noqa: E402
 from recovery_storm import (  # noqa: E402
     DOMAINS,
-    MTAQUEUE_PORT,
-    POSTFIX_PORT,
     SINK_IP,
-    Daemon,
     Run,
     Scenario,
     fmt,
     mtaqueue_config,
     percentile,
     plan,
+    postfix_sender,
+    queue_and_release,
     read_daemon_log,
-    read_postfix_log,
+    release_postfix,
     sample_until_drained,
-    submit,
-    wait_outage,
 )
 from synthetic_peer import SyntheticPeer  # noqa: E402
 
@@ -157,17 +152,7 @@ def run_mtaqueue(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
             dns.add("mx1.provider.test", "A", "127.0.0.1")
             port = int(RECEIVER.rsplit(":", 1)[1])
             cfg = mtaqueue_config(s, workdir / "spool", port, sink.port, dns.address, False, False)
-            cfg["delivery"]["enabled"] = False
-            daemon = Daemon(workdir, "outage", cfg)
-            daemon.start()
-            first = time.time()
-            run.submit_s = submit("127.0.0.1", MTAQUEUE_PORT, run.planned, 20, 2048)
-            daemon.stop()
-            wait_outage(first, s)
-            cfg["delivery"]["enabled"] = True
-            daemon = Daemon(workdir, "release", cfg, args.mq_option)
-            run.release = time.time()
-            run.startup_s = daemon.start()
+            daemon = queue_and_release(run, s, workdir, cfg, args.mq_option)
             sample_until_drained(
                 run, lambda: daemon.ask("status")[0]["messages"], timeout, check=daemon.check
             )
@@ -189,50 +174,11 @@ def run_postfix(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
     workdir.mkdir()
     workdir.chmod(0o755)
     sink = SyntheticPeer([f"{SINK_IP}:0"]).start()
-
-    def d(seconds: float) -> str:  # Postfix's time values are whole numbers
-        return f"{max(1, round(seconds * s.scale))}s"
-
-    main_cf = {
-        "minimal_backoff_time": d(300),
-        "maximal_backoff_time": d(4000),
-        "queue_run_delay": d(300),
-        "maximal_queue_lifetime": d(5 * 86400),
-        "bounce_queue_lifetime": d(5 * 86400),
-        "transport_maps": f"inline:{{ app.test=smtp:[{SINK_IP}]:{sink.port} }}",
-        "smtp_helo_name": "postfix.bench.test",
-    }
-    pf = PostfixInstance(
-        workdir / "sender",
-        listen=f"127.0.0.1:{POSTFIX_PORT}",
-        mode="defer",
-        main_cf=main_cf,
-        cleanup=not args.keep,
-    )
+    pf = postfix_sender(s, workdir / "sender", sink.port, cleanup=not args.keep)
     with Receiver(workdir, args) as receiver:
         try:
-            pf.start()
-            first = time.time()
-            run.submit_s = submit("127.0.0.1", POSTFIX_PORT, run.planned, 20, 2048)
-            pf.wait_settled(120)
-            wait_outage(first, s)
-            pf.mode, pf.relay = "relay", RECEIVER
-            pf._write_config()
-            pf._postfix("stop", timeout=30)
-            pf._wait_port_free()
-            run.release = time.time()
-            pf._postfix("start", timeout=60)
-            pf.flush()
-            run.startup_s = time.time() - run.release
-            sample_until_drained(run, pf.queue_count, timeout)
-            run.extra["log"] = read_postfix_log(pf.maillog)
-        except Exception as exc:
-            run.error = f"{type(exc).__name__}: {exc}"
+            release_postfix(run, pf, s, RECEIVER, timeout)
         finally:
-            with contextlib.suppress(Exception):
-                if "log" not in run.extra and pf.maillog.exists():
-                    run.extra["log"] = read_postfix_log(pf.maillog)
-            pf.stop()
             run.dsns = sink.stop()["messages"]["accepted"]
     return run, receiver.log
 

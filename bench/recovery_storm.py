@@ -604,20 +604,7 @@ def run_mtaqueue(
         for i, ip in enumerate(PROVIDER_IPS):
             dns.add(f"mx{i + 1}.provider.test", "A", ip)
         cfg = mtaqueue_config(s, workdir / "spool", peer.port, sink.port, dns.address, naive, admin)
-        cfg["delivery"]["enabled"] = False
-        daemon = Daemon(workdir, "outage", cfg)
-        daemon.start()
-        first = time.time()
-        run.submit_s = submit("127.0.0.1", MTAQUEUE_PORT, run.planned, s.sessions, s.size)
-        queued = daemon.ask("status")[0]["messages"]
-        if queued != s.messages:
-            raise RuntimeError(f"mtaqueue queued {queued} of {s.messages}")
-        daemon.stop()
-        wait_outage(first, s)
-        cfg["delivery"]["enabled"] = True
-        daemon = Daemon(workdir, "release", cfg, overrides)
-        run.release = time.time()
-        run.startup_s = daemon.start()
+        daemon = queue_and_release(run, s, workdir, cfg, overrides)
         sample_until_drained(
             run,
             lambda: daemon.ask("status")[0]["messages"],
@@ -644,34 +631,69 @@ def run_mtaqueue(
     return run
 
 
-def run_postfix(s: Scenario, workdir: Path, timeout: float, tag: str, concurrency: int) -> Run:
-    label = f"Postfix (concurrency {concurrency})" if concurrency else "Postfix (stock)"
-    run = Run("postfix", label, plan(s.messages, tag))
-    workdir = workdir / "postfix"
-    workdir.mkdir()
-    workdir.chmod(0o755)
-    peer = PeerProcess(workdir, s, duration=s.outage * s.scale + timeout + 600).start()
-    sink = SyntheticPeer([f"{SINK_IP}:0"]).start()
-    d = s.d
+def queue_and_release(
+    run: Run,
+    s: Scenario,
+    workdir: Path,
+    cfg: dict[str, Any],
+    overrides: tuple[str, ...] | list[str] = (),
+) -> Daemon:
+    """The storm's first steps with mtaqueue: the backlog queued with delivery off (the
+    outage), then the daemon started again with delivery on (the release). Returns the
+    running daemon; after an error none is left running."""
+    cfg["delivery"]["enabled"] = False
+    daemon = Daemon(workdir, "outage", cfg)
+    try:
+        daemon.start()
+        first = time.time()
+        run.submit_s = submit("127.0.0.1", MTAQUEUE_PORT, run.planned, s.sessions, s.size)
+        queued = daemon.ask("status")[0]["messages"]
+        if queued != s.messages:
+            raise RuntimeError(f"mtaqueue queued {queued} of {s.messages}")
+    finally:
+        daemon.stop()
+    wait_outage(first, s)
+    cfg["delivery"]["enabled"] = True
+    daemon = Daemon(workdir, "release", cfg, overrides)
+    run.release = time.time()
+    try:
+        run.startup_s = daemon.start()
+    except BaseException:
+        daemon.stop()
+        raise
+    return daemon
+
+
+def postfix_sender(
+    s: Scenario, workdir: Path, sink_port: int, extra: dict[str, str] | None = None, **options
+) -> PostfixInstance:
+    """A stock Postfix as the sender, deferring everything (the outage): its retry timers
+    scaled like mtaqueue's (defaults 300 s, 4000 s, 300 s, 5 d; whole seconds, as Postfix
+    takes them), bounces to the DSN sink rather than the provider; `extra` main.cf."""
+
+    def d(seconds: float) -> str:
+        return f"{max(1, round(seconds * s.scale))}s"
+
     main_cf = {
-        # Postfix's retry timers scaled like mtaqueue's (defaults 300s, 4000s, 300s, 5d).
         "minimal_backoff_time": d(300),
         "maximal_backoff_time": d(4000),
         "queue_run_delay": d(300),
         "maximal_queue_lifetime": d(5 * 86400),
         "bounce_queue_lifetime": d(5 * 86400),
-        # Bounces to the sender go to the DSN sink, not to the provider.
-        "transport_maps": f"inline:{{ app.test=smtp:[{SINK_IP}]:{sink.port} }}",
+        "transport_maps": f"inline:{{ app.test=smtp:[{SINK_IP}]:{sink_port} }}",
         "smtp_helo_name": "postfix.bench.test",
+        **(extra or {}),
     }
-    if concurrency:
-        # The one pacing knob Postfix has that fits here: the admin's connection count. Its
-        # rate knob (smtp_destination_rate_delay) counts whole seconds between deliveries.
-        main_cf["smtp_destination_concurrency_limit"] = str(concurrency)
-        main_cf["smtp_initial_destination_concurrency"] = str(min(5, concurrency))
-    pf = PostfixInstance(
-        workdir / "pfx", listen=f"127.0.0.1:{POSTFIX_PORT}", mode="defer", main_cf=main_cf
-    )
+    listen = f"127.0.0.1:{POSTFIX_PORT}"
+    return PostfixInstance(workdir, listen=listen, mode="defer", main_cf=main_cf, **options)
+
+
+def release_postfix(
+    run: Run, pf: PostfixInstance, s: Scenario, relay: str, timeout: float, pids=()
+) -> None:
+    """The storm with a Postfix sender (`postfix_sender`): the backlog queued while it
+    defers, then relayed to `relay` and flushed at once (the release), sampled until
+    drained. An error is kept in run.error; `pf` is stopped either way."""
     try:
         pf.start()
         first = time.time()
@@ -683,7 +705,7 @@ def run_postfix(s: Scenario, workdir: Path, timeout: float, tag: str, concurrenc
         wait_outage(first, s)
         # pf.set_mode("relay", ...) with the release taken between "stop" and "start": once
         # started in relay mode, qmgr may send deferred mail before postqueue -f comes.
-        pf.mode, pf.relay = "relay", f"{PROVIDER_IPS[0]}:{peer.port}"
+        pf.mode, pf.relay = "relay", relay
         pf._write_config()
         pf._postfix("stop", timeout=30)
         pf._wait_port_free()
@@ -691,7 +713,7 @@ def run_postfix(s: Scenario, workdir: Path, timeout: float, tag: str, concurrenc
         pf._postfix("start", timeout=60)
         pf.flush()
         run.startup_s = time.time() - run.release
-        sample_until_drained(run, pf.queue_count, timeout, pids=(None, peer.proc.pid))
+        sample_until_drained(run, pf.queue_count, timeout, pids=pids)
         run.extra["log"] = read_postfix_log(pf.maillog)
     except Exception as exc:
         run.error = f"{type(exc).__name__}: {exc}"
@@ -700,6 +722,27 @@ def run_postfix(s: Scenario, workdir: Path, timeout: float, tag: str, concurrenc
             if "log" not in run.extra and pf.maillog.exists():
                 run.extra["log"] = read_postfix_log(pf.maillog)
         pf.stop()
+
+
+def run_postfix(s: Scenario, workdir: Path, timeout: float, tag: str, concurrency: int) -> Run:
+    label = f"Postfix (concurrency {concurrency})" if concurrency else "Postfix (stock)"
+    run = Run("postfix", label, plan(s.messages, tag))
+    workdir = workdir / "postfix"
+    workdir.mkdir()
+    workdir.chmod(0o755)
+    peer = PeerProcess(workdir, s, duration=s.outage * s.scale + timeout + 600).start()
+    sink = SyntheticPeer([f"{SINK_IP}:0"]).start()
+    extra = {}
+    if concurrency:
+        # The one pacing knob Postfix has that fits here: the admin's connection count. Its
+        # rate knob (smtp_destination_rate_delay) counts whole seconds between deliveries.
+        extra["smtp_destination_concurrency_limit"] = str(concurrency)
+        extra["smtp_initial_destination_concurrency"] = str(min(5, concurrency))
+    pf = postfix_sender(s, workdir / "pfx", sink.port, extra)
+    try:
+        relay = f"{PROVIDER_IPS[0]}:{peer.port}"
+        release_postfix(run, pf, s, relay, timeout, pids=(None, peer.proc.pid))
+    finally:
         run.dsns = sink.stop()["messages"]["accepted"]
         run.report = peer.stop()
     return run
