@@ -10,11 +10,16 @@ import json
 import os
 import signal
 import smtplib
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
+
+from mtaqueue.spool.layout import SpoolLayout
+from mtaqueue.spool.message_file import read_message_file
 
 READY_TIMEOUT = 30.0
 
@@ -109,6 +114,24 @@ class DaemonProcess:
             code, reply = client.data(content)
         assert code == 250, reply
         return reply.decode().rsplit(" ", 1)[1]
+
+    def open_data(self, envelope: bytes, timeout: float = 30.0) -> tuple[socket.socket, BinaryIO]:
+        """A raw session (smtplib would fix the line endings of what is sent) past EHLO
+        and `envelope` (MAIL, RCPT, DATA: each accepted) up to the 354."""
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+        reader = sock.makefile("rb")
+        reader.readline()
+        sock.sendall(b"EHLO c\r\n")
+        while not reader.readline().startswith(b"250 "):
+            pass
+        sock.sendall(envelope)
+        assert [reader.readline()[:3] for _ in range(3)] == [b"250", b"250", b"354"]
+        return sock, reader
+
+    def stored(self, queue_id: str) -> bytes:
+        """A queued message's content as its spool file holds it."""
+        _, content = read_message_file(SpoolLayout(self.spool).message_path(queue_id))
+        return content
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(

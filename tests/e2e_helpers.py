@@ -34,6 +34,12 @@ def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def queue_id(reply: bytes) -> str:
+    """The id in the daemon's reply to the final dot."""
+    assert reply.startswith(b"250 2.0.0 Ok: queued as "), reply
+    return reply.split()[-1].decode()
+
+
 def events(daemon, name: str) -> list[dict]:
     return [e for e in daemon.events if e.get("event") == name]
 

@@ -8,15 +8,7 @@ import smtplib
 import socket
 import time
 
-from mtaqueue.spool.layout import SpoolLayout
-from mtaqueue.spool.message_file import read_message_file
-
 BODY = b"Subject: hello\r\nFrom: app@example.com\r\n\r\nline one\r\n.leading dot\r\nend\r\n"
-
-
-def stored(daemon, queue_id: str) -> bytes:
-    _, content = read_message_file(SpoolLayout(daemon.spool).message_path(queue_id))
-    return content
 
 
 def test_accepted_messages_survive_restart_with_envelope_and_metadata(daemon):
@@ -52,12 +44,12 @@ def test_accepted_messages_survive_restart_with_envelope_and_metadata(daemon):
     assert queue[null_sender]["sender"] == ""
 
     # The content is what the client sent, plus trace headers, minus ours.
-    content = stored(daemon, dsn)
+    content = daemon.stored(dsn)
     assert content.endswith(BODY)
     assert b"X-Mtaqueue" not in content
     parsed = email.message_from_bytes(content)
     assert dsn in parsed["Received"] and parsed["Message-ID"] and parsed["Date"]
-    assert stored(daemon, plain).endswith(b"\r\n\r\nline one\r\n.leading dot\r\nend\r\n")
+    assert daemon.stored(plain).endswith(b"\r\n\r\nline one\r\n.leading dot\r\nend\r\n")
 
 
 def test_show_and_status(daemon):
@@ -164,15 +156,9 @@ def test_smuggling_never_makes_two_messages(daemon):
             b"Subject: one\r\n\r\nfirst" + ending + b"MAIL FROM:<evil@example.com>\r\n"
             b"RCPT TO:<victim@example.org>\r\nDATA\r\nSubject: smuggled\r\n\r\nsecond\r\n.\r\n"
         )
-        with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as sock:
-            reader = sock.makefile("rb")
-            reader.readline()
-            sock.sendall(b"EHLO c\r\n")
-            while not reader.readline().startswith(b"250 "):
-                pass
-            sock.sendall(b"MAIL FROM:<app@example.com>\r\nRCPT TO:<a@example.org>\r\nDATA\r\n")
-            for _ in range(3):
-                reader.readline()
+        envelope = b"MAIL FROM:<app@example.com>\r\nRCPT TO:<a@example.org>\r\nDATA\r\n"
+        sock, reader = daemon.open_data(envelope, timeout=10)
+        with sock:
             sock.sendall(payload)
             assert reader.readline().startswith(b"250 ")
             sock.sendall(b"QUIT\r\n")
@@ -181,7 +167,7 @@ def test_smuggling_never_makes_two_messages(daemon):
     assert len(queue) == 4
     for message in queue.values():
         assert [r["address"] for r in message["recipients"]] == ["a@example.org"]
-        assert b"MAIL FROM:<evil@example.com>" in stored(daemon, message["id"])
+        assert b"MAIL FROM:<evil@example.com>" in daemon.stored(message["id"])
 
 
 def test_connection_cap_answers_421(start_daemon):

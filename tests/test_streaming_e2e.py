@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import random
 import re
-import socket
 import threading
 import time
 from pathlib import Path
 
-from e2e_helpers import FAST, MailNet, wait_for
+from e2e_helpers import FAST, MailNet, queue_id, wait_for
 
 from mtaqueue.spool.layout import SpoolLayout
-from mtaqueue.spool.message_file import read_message_file
 
 ENVELOPE = b"MAIL FROM:<app@sender.test>\r\nRCPT TO:<bob@example.org>\r\nDATA\r\n"
 STREAMED = "spool.stream_threshold=64KiB"
@@ -42,21 +40,9 @@ def awkward_content(size: int) -> bytes:
     return header + bytes(body) + b"\r\n"
 
 
-def open_data(daemon) -> tuple[socket.socket, object]:
-    sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=60)
-    reader = sock.makefile("rb")
-    reader.readline()
-    sock.sendall(b"EHLO c\r\n")
-    while not reader.readline().startswith(b"250 "):
-        pass
-    sock.sendall(ENVELOPE)
-    assert [reader.readline()[:3] for _ in range(3)] == [b"250", b"250", b"354"]
-    return sock, reader
-
-
 def send_raw(daemon, data: bytes, seed: int = 1) -> bytes:
     """Send `data` (dot-stuffed) in reads of random sizes, then the final dot; the reply."""
-    sock, reader = open_data(daemon)
+    sock, reader = daemon.open_data(ENVELOPE, 60)
     with sock:
         rng = random.Random(seed)
         at = 0
@@ -70,15 +56,9 @@ def send_raw(daemon, data: bytes, seed: int = 1) -> bytes:
     return reply
 
 
-def queue_id(reply: bytes) -> str:
-    assert reply.startswith(b"250 2.0.0 Ok: queued as "), reply
-    return reply.split()[-1].decode()
-
-
 def stored(daemon, queue_id: str) -> bytes:
     """The stored content without our Received header (it names the queue id)."""
-    _, content = read_message_file(SpoolLayout(daemon.spool).message_path(queue_id))
-    return re.sub(rb"\AReceived: .*?\r\n(?![ \t])", b"", content, flags=re.S)
+    return re.sub(rb"\AReceived: .*?\r\n(?![ \t])", b"", daemon.stored(queue_id), flags=re.S)
 
 
 def temp_files(daemon) -> list[Path]:
@@ -122,7 +102,7 @@ def test_a_streamed_message_refused_at_the_dot_leaves_nothing(start_daemon):
 def test_a_client_that_stalls_or_goes_away_mid_stream_leaves_nothing(start_daemon):
     daemon = start_daemon(STREAMED, "listen.data_timeout=1s")
     for stalls in (True, False):
-        sock, reader = open_data(daemon)
+        sock, reader = daemon.open_data(ENVELOPE, 60)
         with sock:
             sock.sendall(b"Subject: s\r\n\r\n" + (b"s" * 78 + b"\r\n") * 20_000)
             wait_for(lambda: temp_files(daemon), 10, "the message to be written as it comes")
@@ -134,7 +114,7 @@ def test_a_client_that_stalls_or_goes_away_mid_stream_leaves_nothing(start_daemo
 
 def test_kill_9_mid_stream_leaves_no_message_and_no_temp_file(start_daemon):
     daemon = start_daemon(STREAMED)
-    sock, _ = open_data(daemon)
+    sock, _ = daemon.open_data(ENVELOPE, 60)
     with sock:
         sock.sendall(b"Subject: cut off\r\n\r\n" + (b"w" * 78 + b"\r\n") * 50_000)
         tmp = wait_for(lambda: [p for p in temp_files(daemon) if p.stat().st_size > MiB], 20)
