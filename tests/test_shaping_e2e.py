@@ -9,6 +9,13 @@ import pytest
 from e2e_helpers import BODY, FAST, MailNet, events, wait_for
 from smtp_peer import Received
 
+# One connection, any class may use it: the order of delivery is the queue's order.
+ONE_CONNECTION = (
+    "shaping.default.max_connections=1",
+    "shaping.default.initial_connections=1",
+    "shaping.default.reserved_p0=0",
+)
+
 
 class Provider(MailNet):
     """One provider (two domains on the same MX host) plus the senders' home MX."""
@@ -23,6 +30,10 @@ class Provider(MailNet):
 
     def daemon(self, *overrides: str):
         return self._start(*self.daemon_overrides(), *FAST, *overrides)
+
+    def backlog(self, *overrides: str):
+        """A daemon that only queues (delivery.enabled=false), for `drain`."""
+        return self.daemon("delivery.enabled=false", *overrides)
 
     def drain(self, daemon) -> list[Received]:
         """Restart a daemon that was only queueing (delivery.enabled=false) delivering; when
@@ -40,6 +51,16 @@ def provider(start_daemon):
 
 def send_class(daemon, klass: str, rcpt: str) -> str:
     return daemon.send("app@sender.test", [rcpt], f"X-Mtaqueue-Class: {klass}\r\n".encode() + BODY)
+
+
+def send_many(daemon, klass: str, prefix: str, count: int) -> list[str]:
+    """`count` messages of `klass` to PREFIX0@example.org, PREFIX1@..., in that order."""
+    return [send_class(daemon, klass, f"{prefix}{i}@example.org") for i in range(count)]
+
+
+def last_place(order: list[str], prefix: str, count: int) -> int:
+    """Where the last of PREFIX0@example.org ... came in `order` (recipients)."""
+    return max(order.index(f"{prefix}{i}@example.org") for i in range(count))
 
 
 def ctl_json(daemon, *args: str) -> list[dict]:
@@ -62,7 +83,7 @@ def send_as(daemon, tenant: str, rcpt: str) -> str:
 def test_hold_and_release_by_domain_and_class(provider):
     provider.mx.on("rcpt", "451 4.3.0 try later")
     daemon = provider.daemon('retry.schedule=["60s"]')
-    bulk = [send_class(daemon, "p2", f"b{i}@example.org") for i in range(3)]
+    bulk = send_many(daemon, "p2", "b", 3)
     reset = send_class(daemon, "p0", "r@example.net")
     wait_for(lambda: len(events(daemon, "delivery")) == 4, what="first attempts")
 
@@ -99,14 +120,9 @@ def test_flush_keeps_the_greylisting_minimum(provider):
 
 def test_p0_goes_first_while_bulk_waits(provider):
     daemon = provider.daemon(
-        "shaping.default.max_connections=1",
-        "shaping.default.initial_connections=1",
-        "shaping.default.reserved_p0=0",
-        "shaping.default.messages_per_minute=120",
-        "shaping.default.burst=1",
+        *ONE_CONNECTION, "shaping.default.messages_per_minute=120", "shaping.default.burst=1"
     )
-    for i in range(12):
-        send_class(daemon, "p2", f"bulk{i}@example.org")
+    send_many(daemon, "p2", "bulk", 12)
     send_class(daemon, "p0", "reset@example.org")
     wait_for(lambda: not daemon.messages(), timeout=30, what="the whole queue")
     order = [m.rcpt_tos[0] for m in provider.mx.messages]
@@ -177,8 +193,7 @@ def test_breaker_opens_then_probes_and_recovers(provider):
         'retry.schedule=["1s"]',
         'retry.then=["1s", "1s"]',
     )
-    for i in range(4):
-        send_class(daemon, "p1", f"c{i}@example.org")
+    send_many(daemon, "p1", "c", 4)
     wait_for(
         lambda: any(d["circuit"] == "open" for d in ctl_json(daemon, "domains")),
         what="the breaker to open",
@@ -206,8 +221,7 @@ def test_throttling_cuts_the_learned_rate_without_backoff_mode(provider):
         times=2,
     )
     daemon = provider.daemon('retry.schedule=["1s"]')
-    for i in range(3):
-        send_class(daemon, "p1", f"t{i}@example.org")
+    send_many(daemon, "p1", "t", 3)
     throttled = wait_for(
         lambda: [e for e in events(daemon, "delivery") if e["kind"] == "throttling"],
         what="a throttling reply",
@@ -227,15 +241,8 @@ def test_throttling_cuts_the_learned_rate_without_backoff_mode(provider):
 
 
 def test_restart_with_an_overdue_backlog_sends_p0_first(provider):
-    daemon = provider.daemon(
-        "delivery.enabled=false",
-        "shaping.default.max_connections=1",
-        "shaping.default.initial_connections=1",
-        "shaping.default.reserved_p0=0",
-        "retry.restart_spread=3s",
-    )
-    for i in range(10):
-        send_class(daemon, "p2", f"bulk{i}@example.org")
+    daemon = provider.backlog(*ONE_CONNECTION, "retry.restart_spread=3s")
+    send_many(daemon, "p2", "bulk", 10)
     send_class(daemon, "p0", "reset@example.org")
     received = provider.drain(daemon)
     assert received[0].rcpt_tos == ["reset@example.org"]
@@ -246,16 +253,8 @@ def test_restart_with_an_overdue_backlog_sends_p0_first(provider):
 def test_the_first_class_is_one_class_everywhere(provider):
     """Two classes at the lowest priority: the one the queue serves first is the one the
     restart does not spread (the same rule everywhere: the name that sorts first)."""
-    daemon = provider.daemon(
-        "delivery.enabled=false",
-        "classes.a.priority=0",
-        "shaping.default.max_connections=1",
-        "shaping.default.initial_connections=1",
-        "shaping.default.reserved_p0=0",
-        "retry.restart_spread=0s",
-    )
-    for i in range(5):
-        send_class(daemon, "p0", f"p0-{i}@example.org")
+    daemon = provider.backlog("classes.a.priority=0", *ONE_CONNECTION, "retry.restart_spread=0s")
+    send_many(daemon, "p0", "p0-", 5)
     send_class(daemon, "a", "first@example.org")
     received = provider.drain(daemon)
     assert received[0].rcpt_tos == ["first@example.org"]
@@ -265,8 +264,7 @@ def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
     """A p0 wave while concurrency grows opens reserved (first-class) connections; once
     the p0 mail is gone and an operator lowers the limit, the connections over it close
     and the bulk goes on over the ones left."""
-    daemon = provider.daemon(
-        "delivery.enabled=false",
+    daemon = provider.backlog(
         "shaping.default.max_connections=4",
         "shaping.default.initial_connections=1",
         "shaping.default.reserved_p0=1",
@@ -275,16 +273,14 @@ def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
         "retry.restart_spread=0s",
         "delivery.connection_idle=30s",  # idle connections would linger
     )
-    for i in range(30):
-        send_class(daemon, "p0", f"reset{i}@example.org")
-    for i in range(150):
-        send_class(daemon, "p2", f"bulk{i}@example.org")
+    send_many(daemon, "p0", "reset", 30)
+    send_many(daemon, "p2", "bulk", 150)
     restart_with_delivery(daemon)
     mx = provider.mx
     mx.wait_for(lambda: len(mx.messages) >= 45, timeout=30)  # the p0 wave and some bulk
     # p0 first (a bulk message or two may overtake the last p0 ones in flight elsewhere).
     order = [m.rcpt_tos[0] for m in mx.messages]
-    assert max(order.index(f"reset{i}@example.org") for i in range(30)) < 33
+    assert last_place(order, "reset", 30) < 33
     assert mx.max_active == 4  # the limit grew to 4 during the wave
     assert ctl_json(daemon, "limit", "--domain", "example.org", "--concurrency", "2")
     mx.wait_for(lambda: mx.active <= 2, timeout=5)  # the two over the limit closed
@@ -310,11 +306,9 @@ def test_the_connection_rate_holds_for_every_connection(start_daemon):
             "shaping.default.connections_per_minute=3",
             "shaping.default.burst=3",
             "shaping.default.messages_per_connection=1",
-            "shaping.default.initial_connections=1",
-            "shaping.default.max_connections=1",
+            *ONE_CONNECTION,
         )
-        for i in range(5):
-            send_class(daemon, "p1", f"r{i}@example.org")
+        send_many(daemon, "p1", "r", 5)
         mx2.wait_messages(2)
         time.sleep(6)  # the fourth token is 20 s away
         # mx1 refused one, mx2 took two: the burst of 3; old code: 6 connections at once.
@@ -323,12 +317,8 @@ def test_the_connection_rate_holds_for_every_connection(start_daemon):
 
 
 def test_tenants_take_turns_within_a_class(provider):
-    daemon = provider.daemon(
-        "delivery.enabled=false",
-        "submission.tenant_header=X-Tenant",
-        "shaping.default.max_connections=1",
-        "shaping.default.initial_connections=1",
-        "retry.restart_spread=0s",
+    daemon = provider.backlog(
+        "submission.tenant_header=X-Tenant", *ONE_CONNECTION, "retry.restart_spread=0s"
     )
     for i in range(12):
         send_as(daemon, "big", f"big{i}@example.org")
@@ -337,12 +327,12 @@ def test_tenants_take_turns_within_a_class(provider):
     received = provider.drain(daemon)
     order = [m.rcpt_tos[0] for m in received]
     # Round-robin: the small tenant's three go out among the first six, not after twelve.
-    assert max(order.index(f"small{i}@example.org") for i in range(3)) < 6
+    assert last_place(order, "small", 3) < 6
     assert all(b"X-Tenant" not in m.content for m in received)  # removed
 
 
 def test_hold_and_release_by_tenant(provider):
-    daemon = provider.daemon("delivery.enabled=false", "submission.tenant_header=X-Tenant")
+    daemon = provider.backlog("submission.tenant_header=X-Tenant")
     noisy = [send_as(daemon, "noisy", f"n{i}@example.org") for i in range(2)]
     quiet = send_as(daemon, "quiet", "q@example.org")
     assert ctl_json(daemon, "hold", "--tenant", "noisy") == [{"held": 2}]
@@ -354,8 +344,7 @@ def test_hold_and_release_by_tenant(provider):
 
 
 def test_tenant_rate_caps_one_tenant_not_the_others(provider):
-    daemon = provider.daemon(
-        "delivery.enabled=false",
+    daemon = provider.backlog(
         "submission.tenant_header=X-Tenant",
         'shaping.tenant_rate="150/min"',  # one every 0.4 s per tenant
         "retry.restart_spread=0s",
