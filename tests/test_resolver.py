@@ -349,30 +349,29 @@ def test_concurrent_routes_share_one_query(server):
     assert server.queries.count(("example.org", "MX")) == 1
 
 
+def assert_kept_for(server, clock: Clock, resolver, name: str, seconds: float) -> None:
+    """`name`'s MX answer is asked for once, kept until just before `seconds` have
+    passed and asked for again just after."""
+    route(resolver, name)
+    clock.now += seconds - 1
+    route(resolver, name)
+    assert server.queries.count((name, "MX")) == 1
+    clock.now += 2
+    route(resolver, name)
+    assert server.queries.count((name, "MX")) == 2
+
+
 def test_positive_answer_expires_with_its_ttl(server):
     example_org(server, ttl=300)
     clock = Clock()
-    resolver = make(server, clock=clock)
-    route(resolver, "example.org")
-    clock.now += 299
-    route(resolver, "example.org")
-    assert server.queries.count(("example.org", "MX")) == 1
-    clock.now += 2
-    route(resolver, "example.org")
-    assert server.queries.count(("example.org", "MX")) == 2
+    assert_kept_for(server, clock, make(server, clock=clock), "example.org", 300)
 
 
 def test_negative_answer_ttl_is_capped_by_negative_ttl_max(server):
     server.soa_ttl = 3600
     clock = Clock()
     resolver = make(server, clock=clock, negative_ttl_max=60.0)
-    route(resolver, "nowhere.test")
-    clock.now += 59
-    route(resolver, "nowhere.test")
-    assert server.queries.count(("nowhere.test", "MX")) == 1
-    clock.now += 2
-    route(resolver, "nowhere.test")
-    assert server.queries.count(("nowhere.test", "MX")) == 2
+    assert_kept_for(server, clock, resolver, "nowhere.test", 60)
 
 
 def test_negative_answer_ttl_comes_from_the_soa(server):
@@ -380,13 +379,7 @@ def test_negative_answer_ttl_comes_from_the_soa(server):
     server.add("plain.test", "A", "127.0.0.5", ttl=3600)
     clock = Clock()
     resolver = make(server, clock=clock, negative_ttl_max=300.0)
-    route(resolver, "plain.test")  # MX is NODATA
-    clock.now += 29
-    route(resolver, "plain.test")
-    assert server.queries.count(("plain.test", "MX")) == 1
-    clock.now += 2
-    route(resolver, "plain.test")
-    assert server.queries.count(("plain.test", "MX")) == 2
+    assert_kept_for(server, clock, resolver, "plain.test", 30)  # MX is NODATA
     assert server.queries.count(("plain.test", "A")) == 1
 
 

@@ -52,6 +52,14 @@ def of(actions, kind):
     return [a for a in actions if isinstance(a, kind)]
 
 
+def enqueue_many(sched, now: float, klass: str, prefix: str, count: int) -> list:
+    """`count` items PREFIX0, PREFIX1... of `klass` for destination "d"; the actions."""
+    actions = []
+    for i in range(count):
+        actions += sched.enqueue(now, "d", f"{prefix}{i}", klass)
+    return actions
+
+
 def test_due_messages_are_dispatched_together_when_due():
     sched = scheduler(pacing())
     assert sched.schedule(T0, "m1", T0 + 5) == [Wake(T0 + 5)]
@@ -82,9 +90,7 @@ def test_the_connection_rate_holds_across_reconnects_and_the_next_host():
     p = pacing(connections_per_minute=3, burst=3, messages_per_connection=1, initial_connections=1)
     sched = scheduler(p)
     now = T0
-    actions = []
-    for i in range(5):
-        actions += sched.enqueue(now, "d", f"m{i}", "p1")
+    actions = enqueue_many(sched, now, "p1", "m", 5)
     (first,) = of(actions, Connect)
     (again,) = of(sched.connect_failed(now, first.conn, more_hosts=True), Connect)
     assert again.conn == first.conn and again.item == first.item  # the next host: token 2
@@ -109,10 +115,9 @@ def test_the_connection_rate_holds_across_reconnects_and_the_next_host():
 def test_p0_takes_a_reserved_slot_while_bulk_holds_the_others():
     p = pacing(max_connections=2, initial_connections=2, reserved_p0=1)
     sched = scheduler(p)
-    actions = []
-    for i in range(3):
-        actions += sched.enqueue(T0, "d", f"bulk{i}", "p2")
-    (bulk,) = of(actions, Connect)  # one ordinary slot: max(1, 2 - 1)
+    (bulk,) = of(
+        enqueue_many(sched, T0, "p2", "bulk", 3), Connect
+    )  # one ordinary slot: max(1, 2 - 1)
     assert not bulk.first_class
     (reset,) = of(sched.enqueue(T0, "d", "reset", "p0"), Connect)
     assert reset.item == "reset" and reset.first_class
@@ -122,10 +127,7 @@ def test_p0_takes_a_reserved_slot_while_bulk_holds_the_others():
 def test_a_throttle_reply_stops_new_connections_and_idle_ones_close():
     p = pacing(max_connections=4, initial_connections=4, reserved_p0=0)
     sched = scheduler(p)
-    actions = []
-    for i in range(8):
-        actions += sched.enqueue(T0, "d", f"m{i}", "p1")
-    connects = of(actions, Connect)
+    connects = of(enqueue_many(sched, T0, "p1", "m", 8), Connect)
     assert len(connects) == 4
     for c in connects:
         sched.connected(T0, c.conn)

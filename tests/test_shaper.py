@@ -243,30 +243,32 @@ def test_breaker_open_probe_and_ramp_from_one():
     assert shaper.concurrency.limit == 2
 
 
-def test_a_failed_probe_reopens_for_longer():
+def probing() -> DestinationShaper:
+    """A shaper whose breaker opened at 0 (3 refused connections) and whose half-open
+    probe connected at 30, the cooldown over."""
     shaper = shaper_at()
     for _ in range(3):
         report(shaper, 0.0, REFUSED)
     shaper.connected(30.0)
+    assert shaper.snapshot(30.0)["circuit"] == "half-open"
+    return shaper
+
+
+def test_a_failed_probe_reopens_for_longer():
+    shaper = probing()
     report(shaper, 31.0, TOO_MANY)
     snap = shaper.snapshot(31.0)
     assert (snap["circuit"], snap["reopen_at"], snap["trips"]) == ("open", 91.0, 2)
 
 
 def test_a_throttled_probe_reopens():
-    shaper = shaper_at()
-    for _ in range(3):
-        shaper.connect_failed(0.0)
-    shaper.connected(30.0)
+    shaper = probing()
     report(shaper, 31.0, THROTTLED)  # answered, but still unhappy
     assert shaper.snapshot(31.0)["circuit"] == "open"
 
 
 def test_a_bounce_shows_the_site_answering():
-    shaper = shaper_at()
-    for _ in range(3):
-        shaper.connect_failed(0.0)
-    shaper.connected(30.0)
+    shaper = probing()
     report(shaper, 31.0, NO_SUCH_USER)
     assert shaper.snapshot(31.0)["circuit"] == "closed"
     assert shaper.concurrency.limit == 1
