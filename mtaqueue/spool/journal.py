@@ -8,21 +8,35 @@ byte, a lost block) costs only the frames it hits: replay skips them and finds
 the next intact frame. Compaction writes the whole state as a snapshot into a
 fresh segment, ending with SnapshotDone, then deletes the older ones; replay
 starts at the newest undamaged segment holding a SnapshotDone.
+
+Replay and compaction stream: a segment is read through a memory map whose pages
+are dropped behind the reader, a Put is kept as the bytes of its Message (only its
+head is decoded: records.Stored), and a snapshot is written a chunk at a time from
+those bytes. Neither ever holds a whole segment, nor a decoded queue.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import struct
 import typing
 import zlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import msgspec
 
 from mtaqueue.spool.durable import fsync_dir, write_all
-from mtaqueue.spool.records import JournalState, Record, SnapshotDone
+from mtaqueue.spool.records import (
+    PUT_PREFIX,
+    JournalState,
+    Record,
+    SnapshotDone,
+    Stored,
+    stored,
+)
 
 _HEADER = struct.Struct("<II")  # payload length, crc32(payload)
 # A corrupt length field must read as a torn frame, not make us trust gigabytes.
@@ -33,13 +47,17 @@ _SEGMENT_NAME = re.compile(r"[0-9]{16}\.log")
 _TAGS = bytes(sorted(cls.__struct_config__.tag for cls in typing.get_args(Record)))
 _PAYLOAD_START = re.compile(b"[\x91-\x9f][" + re.escape(_TAGS) + b"]")
 
+# Compaction writes its snapshot in pieces of about this size; replay drops the pages
+# of a segment it has read past in steps of this size.
+CHUNK = 8 << 20
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
 
 
-def encode(rec: Record) -> bytes:
-    """One framed record."""
-    payload = _encoder.encode(rec)
+def encode(rec: Record | Stored) -> bytes:
+    """One framed record (a Stored is framed as the Put it was read from)."""
+    payload = PUT_PREFIX + rec.data if type(rec) is Stored else _encoder.encode(rec)
     if len(payload) > MAX_PAYLOAD:
         # Replay would take it for a damaged frame and skip it.
         raise ValueError(f"journal record of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
@@ -47,12 +65,19 @@ def encode(rec: Record) -> bytes:
 
 
 class Frames(msgspec.Struct):
-    records: list[Record]  # of the intact frames, in order
+    records: list[Record | Stored]  # of the intact frames, in order; a Put as a Stored
     end: int  # where the last intact frame ends: anything after it is a torn tail
     skipped: list[tuple[int, int, str]]  # damaged stretches before `end`: start, stop, problem
 
 
-def decode_frames(data: bytes) -> Frames:
+def decode_record(payload: memoryview) -> Record | Stored:
+    """A payload's record; a Put as a Stored (raises msgspec.DecodeError)."""
+    if payload[:2] == PUT_PREFIX:
+        return stored(bytes(payload[2:]))
+    return _decoder.decode(payload)
+
+
+def decode_frames(data: bytes | mmap.mmap) -> Frames:
     """The records of every intact frame in data.
 
     A frame that fails its checks is skipped: replay goes on at the next intact frame
@@ -60,17 +85,35 @@ def decode_frames(data: bytes) -> Frames:
     intact frame that does not decode (a bug, or a record of a newer version) is
     skipped too, never cut off: its bytes stay for whoever can read them.
     """
-    view = memoryview(data)
-    records: list[Record] = []
+    records: list[Record | Stored] = []
     skipped: list[tuple[int, int, str]] = []
+    with memoryview(data) as view:
+        end = _frames(data, view, records, skipped)
+    return Frames(records, end, skipped)
+
+
+def _frames(
+    data: bytes | mmap.mmap,
+    view: memoryview,
+    records: list[Record | Stored],
+    skipped: list[tuple[int, int, str]],
+) -> int:
     append = records.append
-    decode = _decoder.decode
+    decode = decode_record
     unpack = _HEADER.unpack_from
     crc32 = zlib.crc32
     header = _HEADER.size
     size = len(data)
+    # A mapped segment's pages behind the reader are dropped (they are never read
+    # again): mapped pages count in the resident size.
+    release = data.madvise if isinstance(data, mmap.mmap) else None
+    released = 0
     pos = good = 0
     while pos + header <= size:
+        if release is not None and pos - released >= CHUNK:
+            upto = pos - pos % mmap.PAGESIZE
+            release(mmap.MADV_DONTNEED, released, upto - released)
+            released = upto
         length, crc = unpack(data, pos)
         start = pos + header
         stop = start + length
@@ -87,10 +130,10 @@ def decode_frames(data: bytes) -> Frames:
             break  # a torn tail
         skipped.append((pos, resume, "frame fails its checksum"))
         pos = good = resume
-    return Frames(records, good, skipped)
+    return good
 
 
-def _resync(data: bytes, view: memoryview, bad: int) -> int | None:
+def _resync(data: bytes | mmap.mmap, view: memoryview, bad: int) -> int | None:
     """Where the first intact frame after the damaged one at `bad` starts, if anywhere.
 
     Every later position that could start a frame is tried, in order: a frame's own
@@ -106,7 +149,7 @@ def _resync(data: bytes, view: memoryview, bad: int) -> int | None:
     return None
 
 
-def _intact(data: bytes, view: memoryview, pos: int) -> bool:
+def _intact(data: bytes | mmap.mmap, view: memoryview, pos: int) -> bool:
     if pos + _HEADER.size > len(data):
         return False
     length, crc = _HEADER.unpack_from(data, pos)
@@ -116,7 +159,7 @@ def _intact(data: bytes, view: memoryview, pos: int) -> bool:
         return False
     payload = view[start:stop]
     try:
-        _decoder.decode(payload)
+        decode_record(payload)
     except msgspec.DecodeError:
         return False
     return zlib.crc32(payload) == crc
@@ -159,16 +202,21 @@ class JournalWriter:
             os.close(self._fd)
         self._fd, self.path, self.size, self._broken = fd, path, 0, False
 
-    def append(self, data: bytes) -> None:
+    def append(self, data: bytes | Iterable[bytes]) -> None:
+        """Append data, or each piece of an iterable in turn (written as it comes,
+        then one fdatasync): all of it, or nothing."""
         if self._broken:
             self.open_next()
+        written = 0
         try:
-            write_all(self._fd, data)
+            for piece in (data,) if isinstance(data, bytes) else data:
+                write_all(self._fd, piece)
+                written += len(piece)
             os.fdatasync(self._fd)
         except BaseException:  # not only I/O errors: whatever failed, the batch did
             self._roll_back()
             raise
-        self.size += len(data)
+        self.size += written
 
     def _roll_back(self) -> None:
         # Cut the failed bytes off so that the next append, if it succeeds, is
@@ -187,9 +235,8 @@ class JournalWriter:
 
 def compact(writer: JournalWriter, state: JournalState) -> None:
     """Rewrite the journal as one snapshot of state; later appends follow it."""
-    snapshot = b"".join([encode(rec) for rec in state.snapshot()])
     writer.open_next()
-    writer.append(snapshot)
+    writer.append(_chunks(map(encode, state.snapshot())))
     # A crash before this point leaves the old segments whole and the new one
     # without a SnapshotDone, so replay reads both; re-applying a partial
     # snapshot of the state they rebuild changes nothing.
@@ -197,6 +244,20 @@ def compact(writer: JournalWriter, state: JournalState) -> None:
         if path.name < writer.path.name:
             path.unlink()
     fsync_dir(writer.directory)
+
+
+def _chunks(frames: Iterable[bytes]) -> Iterator[bytes]:
+    """Frames joined into pieces of about CHUNK bytes."""
+    piece: list[bytes] = []
+    size = 0
+    for frame in frames:
+        piece.append(frame)
+        size += len(frame)
+        if size >= CHUNK:
+            yield b"".join(piece)
+            piece, size = [], 0
+    if piece:
+        yield b"".join(piece)
 
 
 class ReplayResult(msgspec.Struct):
@@ -226,23 +287,23 @@ def replay(directory: Path, *, repair: bool = True) -> ReplayResult:
     for index in range(len(paths) - 1, -1, -1):
         path = paths[index]
         try:
-            data = path.read_bytes()
+            frames, size = _read(path)
         except OSError as exc:
             damage.append(f"journal segment {path.name}: unreadable: {exc.strerror}")
             continue
-        frames = decode_frames(data)
-        decoded.append((path, frames, len(data)))
+        decoded.append((path, frames, size))
         # A snapshot with a hole is no base: older segments may hold what it lost.
         if not frames.skipped and any(type(rec) is SnapshotDone for rec in frames.records):
             obsolete = paths[:index]
             break
-    decoded.reverse()
 
     state = JournalState()
     apply = state.apply
     count = dropped = skipped_bytes = 0
     skipped_frames = len(damage)
-    for path, frames, size in decoded:
+    segments = len(decoded)
+    while decoded:  # oldest first; each segment's records are let go once applied
+        path, frames, size = decoded.pop()
         for rec in frames.records:
             apply(rec)
         count += len(frames.records)
@@ -267,7 +328,7 @@ def replay(directory: Path, *, repair: bool = True) -> ReplayResult:
             skipped_bytes += size - frames.end
     return ReplayResult(
         state=state,
-        segments=len(decoded),
+        segments=segments,
         records=count,
         dropped_bytes=dropped,
         last_segment=paths[-1] if paths else None,
@@ -276,6 +337,16 @@ def replay(directory: Path, *, repair: bool = True) -> ReplayResult:
         skipped_bytes=skipped_bytes,
         damage=damage,
     )
+
+
+def _read(path: Path) -> tuple[Frames, int]:
+    """The frames of a segment, and its size."""
+    with path.open("rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size == 0:  # an empty file cannot be mapped
+            return decode_frames(b""), 0
+        with mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ) as data:
+            return decode_frames(data), size
 
 
 def _truncate(path: Path, length: int) -> None:

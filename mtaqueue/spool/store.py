@@ -39,7 +39,7 @@ from . import journal
 from .durable import is_disk_full
 from .layout import SpoolLayout
 from .message_file import MessageFileWriter, read_content
-from .records import Suppress, Unsuppress
+from .records import MessageMap, Suppress, Unsuppress
 from .writer import (
     ERROR,
     FULL,
@@ -106,7 +106,7 @@ class Spool:
         self._min_free = min_free  # total bytes of the file system -> bytes to keep free
         self._compact_size = compact_size
         self.dedupe_window = dedupe_window
-        self.messages: dict[str, Message] = {}
+        self.messages = MessageMap()  # the queue, held encoded (records.py)
         self.keys: dict[str, tuple[str, float]] = {}  # idempotency key -> (id, created)
         self.suppressed: dict[str, Suppress] = {}  # lower-cased address -> entry
         self.ids = IdGenerator()
@@ -361,12 +361,12 @@ class Spool:
             future = asyncio.get_running_loop().create_future()
             future.set_result(message.id)
             return future
-        self.messages[message.id] = message
+        self.messages.put(message)
         return self._enqueue(Update(message))
 
     def remove(self, queue_id: str, reason: str) -> asyncio.Future:
         """Journal the end of a message, then delete its file (leaves the queue at once)."""
-        self.messages.pop(queue_id, None)
+        self.messages.pop(queue_id)
         return self._enqueue(Remove(queue_id, reason))
 
     def suppress(self, address: str, until: float, reason: str) -> asyncio.Future:
@@ -480,7 +480,7 @@ class Spool:
             future.set_result(result)
         if isinstance(op, Accept | Adopt | Place):  # durable: queued, whoever still waits
             message = op.message
-            self.messages[message.id] = message
+            self.messages.put(message)
             if message.idempotency_key is not None:
                 self.keys[message.idempotency_key] = (message.id, message.created)
             if self.on_commit is not None:
