@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -71,6 +71,9 @@ RECOVER_AFTER = 60.0  # retry delay after an unexpected error (a bug): not an at
 UNCHARGED_WAITS = 1  # ... once: a repeated internal wait counts as an attempt
 DSN_RETRY = 5.0  # seconds between tries to store a DSN the spool refused (a full disk)
 PENDING = (QUEUED, DEFERRED)
+# Messages read per step of a walk over the whole queue (start, expiry): each message
+# costs a decode, and at a million queued the loop must not stop for the whole walk.
+WALK_CHUNK = 2000
 
 
 @dataclass(slots=True)
@@ -189,14 +192,22 @@ class DeliveryManager:
         meanwhile is spread over retry.restart_spread, except the first class (p0)."""
         self._learned = self._load_learned()
         self._started = True
-        now = time.time()
-        spread = self.cfg.retry.restart_spread
-        for message in self.spool.messages.values():
-            due = _earliest_due(message)
-            if due is not None:
-                window = 0.0 if message.klass == self.first_class else spread
-                self._schedule(message.id, restart_due(due, now, window, self.rng))
+        self._spawn(self._schedule_queue(list(self.spool.messages), time.time()))
         self._spawn(self._expiry_sweep())
+
+    async def _schedule_queue(self, message_ids: list[str], now: float) -> None:
+        """Schedule the queue found at start, a chunk at a time: a million messages take
+        seconds to read, and neither the listener nor the first deliveries (of the first
+        chunks) wait for the rest."""
+        spread = self.cfg.retry.restart_spread
+        for chunk in _chunks(message_ids):
+            for message_id in chunk:
+                message = self.spool.messages.get(message_id)
+                due = None if message is None else _earliest_due(message)
+                if due is not None:
+                    window = 0.0 if message.klass == self.first_class else spread
+                    self._schedule(message_id, restart_due(due, now, window, self.rng))
+            await asyncio.sleep(0)
 
     async def close(self, grace: float) -> None:
         """Stop dispatching; let attempts in progress finish for up to `grace` seconds."""
@@ -292,7 +303,7 @@ class DeliveryManager:
     async def _expiry_sweep(self) -> None:
         while not self._closing:
             await asyncio.sleep(EXPIRY_CHECK)
-            self.expire(time.time())
+            await self.expire(time.time())
             # Destinations whose last waiting mail went without a connection (deleted,
             # bounced, expired) or whose stats window passed are forgotten here.
             for destination in list(self.destinations.values()):
@@ -327,13 +338,16 @@ class DeliveryManager:
             return
         self._saved = data
 
-    def expire(self, now: float) -> None:
-        """Expire mail whose lifetime has passed, whatever it waits for (pacing included)."""
-        due = {
-            m.id
-            for m in self.spool.messages.values()
-            if expire_due(m, now, self._settings(m.klass)) is not None
-        }
+    async def expire(self, now: float) -> None:
+        """Expire mail whose lifetime has passed, whatever it waits for (pacing included).
+        The queue is read a chunk at a time, as at start."""
+        due: set[str] = set()
+        for chunk in _chunks(list(self.spool.messages)):
+            for message_id in chunk:
+                m = self.spool.messages.get(message_id)
+                if m is not None and expire_due(m, now, self._settings(m.klass)) is not None:
+                    due.add(message_id)
+            await asyncio.sleep(0)
         if not due:
             return
         self._unqueue(lambda item: item.message_id in due)
@@ -939,6 +953,11 @@ class DeliveryManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _chunks(message_ids: list[str]) -> Iterator[list[str]]:
+    for start in range(0, len(message_ids), WALK_CHUNK):
+        yield message_ids[start : start + WALK_CHUNK]
 
 
 def _earliest_due(message: Message) -> float | None:

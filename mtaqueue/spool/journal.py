@@ -23,7 +23,7 @@ import re
 import struct
 import typing
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -33,7 +33,6 @@ from mtaqueue.spool.records import (
     PUT_PREFIX,
     JournalState,
     Record,
-    SnapshotDone,
     Stored,
     stored,
 )
@@ -87,19 +86,34 @@ def decode_frames(data: bytes | mmap.mmap) -> Frames:
     """
     records: list[Record | Stored] = []
     skipped: list[tuple[int, int, str]] = []
-    with memoryview(data) as view:
-        end = _frames(data, view, records, skipped)
+
+    def sink(payload: memoryview) -> bool:
+        records.append(decode_record(payload))
+        return False
+
+    end, _, _ = _frames(data, sink, skipped)
     return Frames(records, end, skipped)
 
 
 def _frames(
     data: bytes | mmap.mmap,
-    view: memoryview,
-    records: list[Record | Stored],
+    sink: Callable[[memoryview], bool],
     skipped: list[tuple[int, int, str]],
-) -> int:
-    append = records.append
-    decode = decode_record
+) -> tuple[int, int, bool]:
+    """Give `sink` the payload of every intact frame in data (it raises
+    msgspec.DecodeError for one that does not decode, and says whether it was a
+    SnapshotDone); note the damaged stretches in `skipped`. Returns where the last
+    intact frame ends, how many records were taken, and whether a SnapshotDone was."""
+    with memoryview(data) as view:
+        return _walk(data, view, sink, skipped)
+
+
+def _walk(
+    data: bytes | mmap.mmap,
+    view: memoryview,
+    sink: Callable[[memoryview], bool],
+    skipped: list[tuple[int, int, str]],
+) -> tuple[int, int, bool]:
     unpack = _HEADER.unpack_from
     crc32 = zlib.crc32
     header = _HEADER.size
@@ -108,7 +122,8 @@ def _frames(
     # again): mapped pages count in the resident size.
     release = data.madvise if isinstance(data, mmap.mmap) else None
     released = 0
-    pos = good = 0
+    pos = good = taken = 0
+    snapshot = False
     while pos + header <= size:
         if release is not None and pos - released >= CHUNK:
             upto = pos - pos % mmap.PAGESIZE
@@ -118,19 +133,23 @@ def _frames(
         start = pos + header
         stop = start + length
         # encode() never writes an empty payload: zeros are unwritten space.
-        if 0 < length <= MAX_PAYLOAD and stop <= size and crc32(view[start:stop]) == crc:
-            try:
-                append(decode(view[start:stop]))
-            except msgspec.DecodeError as exc:
-                skipped.append((pos, stop, f"intact frame does not decode: {exc}"))
-            pos = good = stop
-            continue
+        if 0 < length <= MAX_PAYLOAD and stop <= size:
+            payload = view[start:stop]
+            if crc32(payload) == crc:
+                try:
+                    snapshot = sink(payload) or snapshot
+                except msgspec.DecodeError as exc:
+                    skipped.append((pos, stop, f"intact frame does not decode: {exc}"))
+                else:
+                    taken += 1
+                pos = good = stop
+                continue
         resume = _resync(data, view, pos)
         if resume is None:
             break  # a torn tail
         skipped.append((pos, resume, "frame fails its checksum"))
         pos = good = resume
-    return good
+    return good, taken, snapshot
 
 
 def _resync(data: bytes | mmap.mmap, view: memoryview, bad: int) -> int | None:
@@ -278,56 +297,55 @@ def replay(directory: Path, *, repair: bool = True) -> ReplayResult:
     Damage never stops a replay: it is skipped and described in `damage`. With
     repair=False nothing on disk is changed (a second reader of a journal that its
     owner has already repaired).
+
+    Segments are read newest first, so that those older than the last snapshot are
+    never read; each is replayed into a state of its own, on which the state of the
+    newer ones is then applied (`JournalState.update`): no segment's records are held.
     """
     paths = list_segments(directory)
-    # Newest first, so that segments older than the last snapshot are never read.
-    decoded: list[tuple[Path, Frames, int]] = []
-    damage: list[str] = []
+    state: JournalState | None = None  # of the segments read so far
+    damage: list[list[str]] = []  # per segment read, newest first
     obsolete: list[Path] = []
+    segments = count = dropped = skipped_frames = skipped_bytes = 0
     for index in range(len(paths) - 1, -1, -1):
         path = paths[index]
+        older = JournalState()
+        lines: list[str] = []
+        damage.append(lines)
         try:
-            frames, size = _read(path)
+            read = _read(path, older)
         except OSError as exc:
-            damage.append(f"journal segment {path.name}: unreadable: {exc.strerror}")
+            lines.append(f"journal segment {path.name}: unreadable: {exc.strerror}")
+            skipped_frames += 1
             continue
-        decoded.append((path, frames, size))
-        # A snapshot with a hole is no base: older segments may hold what it lost.
-        if not frames.skipped and any(type(rec) is SnapshotDone for rec in frames.records):
-            obsolete = paths[:index]
-            break
-
-    state = JournalState()
-    apply = state.apply
-    count = dropped = skipped_bytes = 0
-    skipped_frames = len(damage)
-    segments = len(decoded)
-    while decoded:  # oldest first; each segment's records are let go once applied
-        path, frames, size = decoded.pop()
-        for rec in frames.records:
-            apply(rec)
-        count += len(frames.records)
-        for start, stop, problem in frames.skipped:
-            damage.append(f"journal segment {path.name}: bytes {start}-{stop} skipped: {problem}")
+        segments += 1
+        count += read.records
+        for start, stop, problem in read.skipped:
+            lines.append(f"journal segment {path.name}: bytes {start}-{stop} skipped: {problem}")
             skipped_bytes += stop - start
-        skipped_frames += len(frames.skipped)
-        if frames.end == size:
-            continue
-        if path == paths[-1]:
-            dropped += size - frames.end
+        skipped_frames += len(read.skipped)
+        if read.end != read.size and path == paths[-1]:
+            dropped += read.size - read.end
             if repair:
-                _truncate(path, frames.end)
-        else:
+                _truncate(path, read.end)
+        elif read.end != read.size:
             # The writer gave up on this segment after a failed append and moved on,
             # or the disk lost its end.
-            damage.append(
-                f"journal segment {path.name}: {size - frames.end} bytes after byte"
-                f" {frames.end} skipped: no intact frame"
+            lines.append(
+                f"journal segment {path.name}: {read.size - read.end} bytes after byte"
+                f" {read.end} skipped: no intact frame"
             )
             skipped_frames += 1
-            skipped_bytes += size - frames.end
+            skipped_bytes += read.size - read.end
+        if state is not None:
+            older.update(state)
+        state = older
+        # A snapshot with a hole is no base: older segments may hold what it lost.
+        if read.snapshot and not read.skipped:
+            obsolete = paths[:index]
+            break
     return ReplayResult(
-        state=state,
+        state=state if state is not None else JournalState(),
         segments=segments,
         records=count,
         dropped_bytes=dropped,
@@ -335,18 +353,28 @@ def replay(directory: Path, *, repair: bool = True) -> ReplayResult:
         obsolete=obsolete,
         skipped_frames=skipped_frames,
         skipped_bytes=skipped_bytes,
-        damage=damage,
+        damage=[line for lines in reversed(damage) for line in lines],
     )
 
 
-def _read(path: Path) -> tuple[Frames, int]:
-    """The frames of a segment, and its size."""
+class _Segment(msgspec.Struct):
+    size: int
+    end: int  # as Frames.end
+    skipped: list[tuple[int, int, str]]
+    records: int  # intact records applied
+    snapshot: bool  # one of them is a SnapshotDone
+
+
+def _read(path: Path, state: JournalState) -> _Segment:
+    """Apply a segment's records to state, through a memory map."""
+    read = _Segment(0, 0, [], 0, False)
     with path.open("rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        if size == 0:  # an empty file cannot be mapped
-            return decode_frames(b""), 0
-        with mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ) as data:
-            return decode_frames(data), size
+        read.size = os.fstat(file.fileno()).st_size
+        if read.size == 0:  # an empty file cannot be mapped
+            return read
+        with mmap.mmap(file.fileno(), read.size, access=mmap.ACCESS_READ) as data:
+            read.end, read.records, read.snapshot = _frames(data, state.apply_payload, read.skipped)
+    return read
 
 
 def _truncate(path: Path, length: int) -> None:

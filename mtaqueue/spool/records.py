@@ -96,6 +96,7 @@ class Stored(msgspec.Struct, array_like=True, gc=False, frozen=True):
 _message_encoder = msgspec.msgpack.Encoder()
 _message_decoder = msgspec.msgpack.Decoder(Message)
 _head_decoder = msgspec.msgpack.Decoder(Head)
+_record_decoder = msgspec.msgpack.Decoder(Record)
 
 
 def stored(data: bytes) -> Stored:
@@ -139,6 +140,9 @@ class MessageMap(Mapping[str, Message]):
     def put_encoded(self, queue_id: str, data: bytes) -> None:
         self._data[queue_id] = data
 
+    def update(self, other: MessageMap) -> None:
+        self._data.update(other._data)
+
     def pop(self, queue_id: str) -> None:
         self._data.pop(queue_id, None)
 
@@ -167,6 +171,7 @@ class JournalState:
         self.keys: dict[str, tuple[str, float]] = {}
         self.suppressed: dict[str, Suppress] = {}  # address (lower case) -> entry
         self.deleted: dict[str, str] = {}
+        self._unsuppressed: set[str] = set()  # whose last record read is an Unsuppress
 
     def apply(self, rec: Record | Stored) -> None:
         if type(rec) is Stored:
@@ -182,8 +187,45 @@ class JournalState:
             self._keep(rec.key, rec.id, rec.created)
         elif type(rec) is Suppress:
             self.suppressed[rec.address] = rec
+            self._unsuppressed.discard(rec.address)
         elif type(rec) is Unsuppress:
             self.suppressed.pop(rec.address, None)
+            self._unsuppressed.add(rec.address)
+
+    def update(self, newer: JournalState) -> None:
+        """Apply what the records of `newer` (a state replayed from records that came
+        after this state's) left: as if they had been applied here one by one."""
+        # In `newer` an id is in messages (last record a Put) or deleted, never both.
+        self.messages.update(newer.messages)
+        for queue_id in newer.messages:
+            self.deleted.pop(queue_id, None)
+        for queue_id, reason in newer.deleted.items():
+            self.messages.pop(queue_id)
+            self.deleted[queue_id] = reason
+        for key, (queue_id, created) in newer.keys.items():
+            self._keep(key, queue_id, created)
+        self.suppressed.update(newer.suppressed)
+        self._unsuppressed -= newer.suppressed.keys()
+        for address in newer._unsuppressed:
+            self.suppressed.pop(address, None)
+        self._unsuppressed |= newer._unsuppressed
+
+    def apply_payload(self, payload: memoryview) -> bool:
+        """Apply the record of a journal payload (raises msgspec.DecodeError); True if
+        it is a SnapshotDone. A Put is kept as its Message's bytes, of which only the
+        head is decoded (replay's hot path: a million of them at a large queue)."""
+        if payload[:2] != PUT_PREFIX:
+            rec = _record_decoder.decode(payload)
+            self.apply(rec)
+            return type(rec) is SnapshotDone
+        data = bytes(payload[2:])
+        head = _head_decoder.decode(data)
+        self.messages.put_encoded(head.id, data)
+        if self.deleted:
+            self.deleted.pop(head.id, None)
+        if head.idempotency_key is not None:
+            self._keep(head.idempotency_key, head.id, head.created)
+        return False
 
     def _put(self, queue_id: str, data: bytes, key: str | None, created: float) -> None:
         self.messages.put_encoded(queue_id, data)
