@@ -282,3 +282,19 @@ def test_the_snapshot_is_not_written_before_removals_are_durable(layout, monkeyp
     # The directory of the removed file could not be synced: the Delete outlives it.
     assert synced[0] == str(layout.message_dir(gone.id))
     assert gone.id in journal.replay(layout.journal).state.deleted
+
+
+def test_a_start_rewrites_the_journal_only_to_merge_or_repair_it(layout):
+    first = writer(layout)
+    assert first.commit([Accept(message(), b"x\r\n")]) == [OK]
+    first.close()
+    (only,) = journal.list_segments(layout.journal)
+    kept = only.read_bytes()
+    second = writer(layout)  # one whole segment: left as it is, a fresh one follows
+    second.close()
+    assert journal.list_segments(layout.journal) == [only, second.journal.path]
+    assert only.read_bytes() == kept
+    third = writer(layout)  # two segments: merged into one snapshot
+    third.close()
+    assert journal.list_segments(layout.journal) == [third.journal.path]
+    assert len(queued(layout)) == 1
