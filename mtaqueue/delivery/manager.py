@@ -202,7 +202,7 @@ class DeliveryManager:
         spread = self.cfg.retry.restart_spread
         for chunk in _chunks(message_ids):
             for message_id in chunk:
-                message = self.spool.messages.get(message_id)
+                message = self._read(message_id)
                 due = None if message is None else _earliest_due(message)
                 if due is not None:
                     window = 0.0 if message.klass == self.first_class else spread
@@ -338,13 +338,22 @@ class DeliveryManager:
             return
         self._saved = data
 
+    def _read(self, message_id: str) -> Message | None:
+        """A message for a walk over the queue; None if gone, or if its record does not
+        decode (replay checks only a record's head): logged, and left as it is."""
+        try:
+            return self.spool.messages.get(message_id)
+        except msgspec.DecodeError as exc:
+            log.error("message_unreadable", id=message_id, error=str(exc))
+            return None
+
     async def expire(self, now: float) -> None:
         """Expire mail whose lifetime has passed, whatever it waits for (pacing included).
         The queue is read a chunk at a time, as at start."""
         due: set[str] = set()
         for chunk in _chunks(list(self.spool.messages)):
             for message_id in chunk:
-                m = self.spool.messages.get(message_id)
+                m = self._read(message_id)
                 if m is not None and expire_due(m, now, self._settings(m.klass)) is not None:
                     due.add(message_id)
             await asyncio.sleep(0)
