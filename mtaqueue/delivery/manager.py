@@ -344,7 +344,7 @@ class DeliveryManager:
         try:
             return self.spool.messages.get(message_id)
         except msgspec.DecodeError as exc:
-            log.error("message_unreadable", id=message_id, error=str(exc))
+            log.error("record_undecodable", id=message_id, error=str(exc))
             return None
 
     async def expire(self, now: float) -> None:
