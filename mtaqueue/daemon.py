@@ -171,7 +171,7 @@ class Daemon:
             credentials=self.credentials,
             rcpt_check=self._suppressed,
         )
-        commands = queue_commands(self.spool.messages.values, self.spool.messages.get, self.info)
+        commands = queue_commands(lambda: self.spool.messages, self.info)
         commands |= suppression_commands(self.spool, self.cfg.suppression.ttl)
         commands |= operation_commands(self.delivery, self.spool.messages.values)
         control = ControlServer(
