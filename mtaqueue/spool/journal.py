@@ -17,6 +17,7 @@ those bytes. Neither ever holds a whole segment, nor a decoded queue.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -25,6 +26,7 @@ import typing
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -289,31 +291,76 @@ class ReplayResult(msgspec.Struct):
     skipped_frames: int  # damaged stretches passed over, each at least one frame
     skipped_bytes: int
     damage: list[str]  # one line per damaged stretch or unreadable segment
+    intact_end: int = 0  # where the last segment's intact frames end (its torn tail starts)
 
 
-def replay(directory: Path, *, repair: bool = True) -> ReplayResult:
+def open_segments(directory: Path) -> list[tuple[Path, BinaryIO | OSError]]:
+    """The journal's segments, oldest first, each opened (or why it could not be). A
+    segment held open stays readable when the writer deletes it meanwhile (a compaction
+    as the daemon starts, while the daemon is still reading)."""
+    opened: list[tuple[Path, BinaryIO | OSError]] = []
+    for path in list_segments(directory):
+        try:
+            opened.append((path, path.open("rb")))
+        except OSError as exc:
+            opened.append((path, exc))
+    return opened
+
+
+def close_segments(opened: list[tuple[Path, BinaryIO | OSError]]) -> None:
+    for _, file in opened:
+        if not isinstance(file, OSError):
+            file.close()
+
+
+def cut_torn_tail(result: ReplayResult) -> None:
+    """Cut off the torn tail a replay with repair=False found, if the segment is still
+    there (a compaction may have replaced it meanwhile)."""
+    if result.dropped_bytes and result.last_segment is not None:
+        with contextlib.suppress(FileNotFoundError):
+            _truncate(result.last_segment, result.intact_end)
+
+
+def replay(
+    directory: Path,
+    *,
+    repair: bool = True,
+    segments: list[tuple[Path, BinaryIO | OSError]] | None = None,
+) -> ReplayResult:
     """Rebuild the state from the journal, cutting a torn tail off the last segment.
 
     Damage never stops a replay: it is skipped and described in `damage`. With
     repair=False nothing on disk is changed (a second reader of a journal that its
-    owner has already repaired).
+    owner has already repaired, or one that repairs later: `cut_torn_tail`).
+    `segments`: the journal's, opened by `open_segments` (else they are opened here).
 
     Segments are read newest first, so that those older than the last snapshot are
     never read; each is replayed into a state of its own, on which the state of the
     newer ones is then applied (`JournalState.update`): no segment's records are held.
     """
-    paths = list_segments(directory)
+    opened = open_segments(directory) if segments is None else segments
+    try:
+        return _replay(opened, repair)
+    finally:
+        if segments is None:
+            close_segments(opened)
+
+
+def _replay(opened: list[tuple[Path, BinaryIO | OSError]], repair: bool) -> ReplayResult:
+    paths = [path for path, _ in opened]
     state: JournalState | None = None  # of the segments read so far
     damage: list[list[str]] = []  # per segment read, newest first
     obsolete: list[Path] = []
-    segments = count = dropped = skipped_frames = skipped_bytes = 0
+    segments = count = dropped = skipped_frames = skipped_bytes = intact_end = 0
     for index in range(len(paths) - 1, -1, -1):
-        path = paths[index]
+        path, file = opened[index]
         older = JournalState()
         lines: list[str] = []
         damage.append(lines)
         try:
-            read = _read(path, older)
+            if isinstance(file, OSError):
+                raise file
+            read = _read(file, older)
         except OSError as exc:
             lines.append(f"journal segment {path.name}: unreadable: {exc.strerror}")
             skipped_frames += 1
@@ -326,6 +373,7 @@ def replay(directory: Path, *, repair: bool = True) -> ReplayResult:
         skipped_frames += len(read.skipped)
         if read.end != read.size and path == paths[-1]:
             dropped += read.size - read.end
+            intact_end = read.end
             if repair:
                 _truncate(path, read.end)
         elif read.end != read.size:
@@ -354,6 +402,7 @@ def replay(directory: Path, *, repair: bool = True) -> ReplayResult:
         skipped_frames=skipped_frames,
         skipped_bytes=skipped_bytes,
         damage=[line for lines in reversed(damage) for line in lines],
+        intact_end=intact_end,
     )
 
 
@@ -365,15 +414,14 @@ class _Segment(msgspec.Struct):
     snapshot: bool  # one of them is a SnapshotDone
 
 
-def _read(path: Path, state: JournalState) -> _Segment:
+def _read(file: BinaryIO, state: JournalState) -> _Segment:
     """Apply a segment's records to state, through a memory map."""
     read = _Segment(0, 0, [], 0, False)
-    with path.open("rb") as file:
-        read.size = os.fstat(file.fileno()).st_size
-        if read.size == 0:  # an empty file cannot be mapped
-            return read
-        with mmap.mmap(file.fileno(), read.size, access=mmap.ACCESS_READ) as data:
-            read.end, read.records, read.snapshot = _frames(data, state.apply_payload, read.skipped)
+    read.size = os.fstat(file.fileno()).st_size
+    if read.size == 0:  # an empty file cannot be mapped
+        return read
+    with mmap.mmap(file.fileno(), read.size, access=mmap.ACCESS_READ) as data:
+        read.end, read.records, read.snapshot = _frames(data, state.apply_payload, read.skipped)
     return read
 
 
