@@ -74,6 +74,10 @@ PENDING = (QUEUED, DEFERRED)
 # Messages read per step of a walk over the whole queue (start, expiry): each message
 # costs a decode, and at a million queued the loop must not stop for the whole walk.
 WALK_CHUNK = 2000
+# Messages active at once (routed, queued at a destination or in transit) up to which the
+# overdue mail found at start is let into the scheduler (Postfix: 20,000 as well).
+ACTIVE_LIMIT = 20_000
+RELEASE_POLL = 0.1  # seconds between looks for room in the active window
 
 
 @dataclass(slots=True)
@@ -112,6 +116,7 @@ class DeliveryManager:
         self._links: dict[int, _Link] = {}  # the core's slots, by connection id
         self._timer: asyncio.TimerHandle | None = None
         self._busy: dict[str, set[int]] = {}  # message id -> recipients routed/queued/in transit
+        self._admitted: set[str] = set()  # overdue at start, let in, not yet dispatched
         self._waits: dict[str, int] = {}  # message id -> internal waits since its last attempt
         self._tasks: set[asyncio.Future] = set()
         self._closing = False
@@ -189,7 +194,8 @@ class DeliveryManager:
 
     def start(self) -> None:
         """Schedule the queue and run. Due times survive restarts; mail that became due
-        meanwhile is spread over retry.restart_spread, except the first class (p0)."""
+        meanwhile is let in as the active window has room, the first class (p0) first,
+        and spread over retry.restart_spread, except the first class."""
         self._learned = self._load_learned()
         self._started = True
         self._spawn(self._schedule_queue(list(self.spool.messages), time.time()))
@@ -198,16 +204,36 @@ class DeliveryManager:
     async def _schedule_queue(self, message_ids: list[str], now: float) -> None:
         """Schedule the queue found at start, a chunk at a time: a million messages take
         seconds to read, and neither the listener nor the first deliveries (of the first
-        chunks) wait for the rest."""
-        spread = self.cfg.retry.restart_spread
+        chunks) wait for the rest. Mail not yet due waits in the core's heap; overdue
+        mail is released into the active window, the first class first."""
+        later: list[str] = []  # overdue, not of the first class: after it
         for chunk in _chunks(message_ids):
             for message_id in chunk:
                 message = self._read(message_id)
                 due = None if message is None else _earliest_due(message)
-                if due is not None:
-                    window = 0.0 if message.klass == self.first_class else spread
-                    self._schedule(message_id, restart_due(due, now, window, self.rng))
+                if due is None:
+                    continue
+                if due > now:
+                    self._schedule(message_id, due)  # not due yet: it waits in the heap
+                elif message.klass == self.first_class:
+                    await self._let_in(message_id, due, 0.0)
+                else:
+                    later.append(message_id)
             await asyncio.sleep(0)
+        for message_id in later:
+            message = self._read(message_id)  # again: it may have changed meanwhile
+            due = None if message is None else _earliest_due(message)
+            if due is not None:
+                await self._let_in(message_id, due, self.cfg.retry.restart_spread)
+
+    async def _let_in(self, message_id: str, due: float, window: float) -> None:
+        """Schedule overdue mail found at start once the active window has room: a
+        million overdue messages must not all be routed and queued at destinations at
+        once (as Postfix's qmgr_message_active_limit)."""
+        while len(self._busy) + len(self._admitted) >= ACTIVE_LIMIT and not self._closing:
+            await asyncio.sleep(RELEASE_POLL)
+        self._admitted.add(message_id)  # until dispatched
+        self._schedule(message_id, restart_due(due, time.time(), window, self.rng))
 
     async def close(self, grace: float) -> None:
         """Stop dispatching; let attempts in progress finish for up to `grace` seconds."""
@@ -374,6 +400,7 @@ class DeliveryManager:
         self, message_id: str, now: float, batch: dict[NextHop, list[tuple[Message, list[int]]]]
     ) -> None:
         """Add the message's due recipients to `batch`, grouped by next hop."""
+        self._admitted.discard(message_id)
         message = self.spool.messages.get(message_id)
         if message is None or message.held or self._closing:
             return
@@ -749,6 +776,8 @@ class DeliveryManager:
         busy = self._busy.get(message_id)
         if busy is not None:
             busy.difference_update(indexes)
+            if not busy:  # not active: a deferred message must not hold a set (nor window room)
+                del self._busy[message_id]
 
     def _apply(self, settlement: Settlement, now: float) -> None:
         message = settlement.message
