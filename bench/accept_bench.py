@@ -11,10 +11,11 @@
    system. Prints msgs/s per run, the medians and their ratio.
 2. Start-up, for each QUEUED size in turn: a spool holding that many 2 KiB messages to 50
    domains (written with the spool's own writer), then four starts of the daemon: the
-   first (it also merges the filler's journal) and a restart with delivery off, each timed
+   first and a restart (its writer merges the journal's two segments) with delivery off, each timed
    to the first 250 reply ("accepting"); delivery on with everything relayed to a local
    sink (`delivery.relayhost`), timed to accepting and to the sink's first accepted
-   message (the probe's own recipient is refused there, so that is a queued one); and the
+   message (the probe's own recipient is refused there, so that is a queued one), and its
+   memory and the messages delivered 30 s after the start; and the
    shipped config (delivery on, the next hops from DNS), timed to accepting.
 3. Memory: resident memory (VmRSS) of the daemon and of its spool writer once settled
    after the restart, the peak of the two over all the starts, bytes per queued message
@@ -54,6 +55,7 @@ from mtaqueue.spool.writer import Accept, SpoolWriter
 
 POSTFIX_ADDR = "127.0.0.1:2625"
 SINK_IP = "127.0.0.5"  # where the first-delivery measurement relays everything
+DELIVERING_AT = 30.0  # seconds after the start at which the delivering daemon's RSS is taken
 
 
 def blackhole_dns() -> str:
@@ -269,6 +271,8 @@ class Startup:
     shipped_s: float | None = None  # start -> first 250, shipped config (DNS unanswered)
     daemon_kib: int = 0  # settled, after the restart (delivery off)
     writer_kib: int = 0
+    delivering_kib: int = 0  # daemon + writer DELIVERING_AT s after the start, delivery on
+    delivered: int = 0  # messages the sink accepted by then
     peak_kib: int = 0  # daemon + writer, highest sample over every start
     failed: str = ""  # why a start gave no figure (over the memory limit, timed out)
 
@@ -310,8 +314,8 @@ def startup(args, workdir: Path, queued: int) -> Startup:
     row.fill_s = time.monotonic() - started
     print(f"filled a spool with {queued} messages in {row.fill_s:.1f} s", flush=True)
     off = Mtaqueue(spool, 2628, "delivery.enabled=false")
-    # The first start merges the filler's journal segments; then a plain restart, left
-    # running until its memory has settled.
+    # The first start reads the filler's journal (one segment, left as it is); the restart
+    # finds two and merges them, and is left running until its memory has settled.
     for attr in ("first_s", "restart_s"):
         seconds, _, watch = timed_start(off, row, args)
         if watch is None:
@@ -329,6 +333,10 @@ def startup(args, workdir: Path, queued: int) -> Startup:
         on = Mtaqueue(spool, 2628, f"delivery.relayhost=[{SINK_IP}]:{sink.port}")
         row.accepting_s, row.first_delivery_s, watch = timed_start(on, row, args, sink)
         if watch is not None:
+            # And its memory while it delivers: at a start the whole queue is due (p0 at
+            # once, the rest spread over retry.restart_spread).
+            time.sleep(max(0.0, DELIVERING_AT - (time.monotonic() - on.started)))
+            row.delivering_kib, row.delivered = sum(watch.sample()), sink.accepted
             watch.stop()
             row.peak_kib = max(row.peak_kib, watch.peak_total)
             on.stop()
@@ -390,6 +398,11 @@ def startup_table(rows: list[Startup], base_kib: int) -> str:
         ("start -> accepting, delivery on, s", lambda r, i: secs(r.accepting_s)),
         ("start -> first delivery (local sink), s", lambda r, i: secs(r.first_delivery_s)),
         ("start -> accepting, shipped config (DNS unanswered), s", lambda r, i: secs(r.shipped_s)),
+        (
+            f"RSS daemon + writer {DELIVERING_AT:.0f} s after the start, delivering, MiB",
+            lambda r, i: mib(r.delivering_kib),
+        ),
+        (f"messages delivered in those {DELIVERING_AT:.0f} s", lambda r, i: f"{r.delivered:,}"),
         ("RSS daemon, MiB (restart, settled)", lambda r, i: mib(r.daemon_kib)),
         ("RSS writer, MiB", lambda r, i: mib(r.writer_kib)),
         ("RSS daemon + writer, MiB", lambda r, i: mib(r.total_kib)),

@@ -2,8 +2,9 @@
 
     mtaqueue [-c FILE] [-o SECTION.KEY=VALUE ...]
 
-Start order: recover the spool (queue state from the journal), bind the
-listener, open the control socket, then check spool files in the background.
+Start order: recover the spool (queue state from the journal, read by the
+daemon and by the spool writer it starts, side by side), bind the listener,
+open the control socket, then check spool files in the background.
 SIGTERM/SIGINT: stop accepting, let messages in transfer finish (bounded by
 spool.shutdown_grace), commit the journal, exit 0 (1 if changes had to be
 given up because the spool could not commit them in time).
@@ -151,9 +152,10 @@ class Daemon:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         try:
-            report = self.spool.open()
-        except (SpoolLocked, OSError) as exc:
+            report = await self.spool.open()
+        except (SpoolLocked, OSError, StorageError) as exc:
             log.error("spool_open_failed", error=str(exc), path=self.cfg.spool.path)
+            await self.spool.close(0)
             return EXIT_RUNTIME
         log.info(
             "spool_recovered",
@@ -171,7 +173,7 @@ class Daemon:
             credentials=self.credentials,
             rcpt_check=self._suppressed,
         )
-        commands = queue_commands(self.spool.messages.values, self.spool.messages.get, self.info)
+        commands = queue_commands(lambda: self.spool.messages, self.info)
         commands |= suppression_commands(self.spool, self.cfg.suppression.ttl)
         commands |= operation_commands(self.delivery, self.spool.messages.values)
         control = ControlServer(
@@ -181,7 +183,6 @@ class Daemon:
         if self.cfg.delivery.enabled:
             self.spool.on_commit = delivery.on_accepted
         try:
-            await self.spool.start()
             await listener.start()
             await control.start()
             metrics_server = await self._serve_metrics()

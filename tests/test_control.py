@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from mtaqueue.control import ctl, protocol
+from mtaqueue.control import commands, ctl, protocol
 from mtaqueue.control.commands import queue_commands
 from mtaqueue.control.server import Command, CommandError, ControlError, ControlServer
 from mtaqueue.ids import IdGenerator
@@ -128,7 +128,7 @@ def serve(
 
 
 def _commands(messages: dict[str, Message]) -> dict[str, Command]:
-    return queue_commands(messages.values, messages.get, lambda: dict(INFO))
+    return queue_commands(lambda: messages, lambda: dict(INFO))
 
 
 @pytest.fixture
@@ -629,3 +629,38 @@ def test_peer_credentials(
                 "error": f"permission denied: uid {NOBODY} may not use the control socket",
             }
         ]
+
+
+def test_a_walk_over_the_queue_lets_the_event_loop_run_and_reads_as_it_goes(monkeypatch):
+    # At a million queued a status or list takes seconds: the loop must go on meanwhile,
+    # and the messages are read one at a time (the queue holds them encoded).
+    monkeypatch.setattr(commands, "WALK_CHUNK", 2)
+    queue = dict(MESSAGES)
+
+    async def main() -> tuple[dict[str, Any], int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        (status,) = [reply async for reply in _commands(queue)["status"]({})]
+        task.cancel()
+        return status, ticks
+
+    status, ticks = asyncio.run(main())
+    assert status["messages"] == len(MESSAGES) and ticks >= len(MESSAGES) // 2
+
+    async def listed() -> list[str]:
+        ids = []
+        async for reply in _commands(queue)["list"]({}):
+            ids.append(reply["id"])
+            queue.pop(last, None)  # leaves while the list is being sent: passed over
+        return ids
+
+    last = list(queue)[-1]
+    assert asyncio.run(listed()) == list(MESSAGES)[:-1]

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from mtaqueue.model import RECIPIENT_STATES, Message, Recipient
 from mtaqueue.spool import journal
+from mtaqueue.spool import records as spool_records
 from mtaqueue.spool.journal import (
     JournalWriter,
     compact,
@@ -31,6 +32,7 @@ from mtaqueue.spool.records import (
     Put,
     Record,
     SnapshotDone,
+    Stored,
     Suppress,
     Unsuppress,
 )
@@ -63,10 +65,13 @@ messages = st.builds(
     idempotency_key=st.none() | st.sampled_from(KEYS),
     held=st.booleans(),
 )
+ADDRESSES = ["x@example.com", "y@example.org"]
 records: st.SearchStrategy[Record] = st.one_of(
     st.builds(Put, messages),
     st.builds(Delete, st.sampled_from(IDS), st.sampled_from(["delivered", "expired"])),
     st.builds(KeyKept, st.sampled_from(KEYS), st.sampled_from(IDS), created_times),
+    st.builds(Suppress, st.sampled_from(ADDRESSES), times, st.just("550 5.1.1")),
+    st.builds(Unsuppress, st.sampled_from(ADDRESSES)),
 )
 
 
@@ -77,8 +82,18 @@ def applied(recs: list[Record]) -> JournalState:
     return state
 
 
+def full(recs: list[Record | Stored]) -> list[Record]:
+    """Records as written: replay reads a Put as a Stored (its Message still encoded)."""
+    return [Put(rec.message) if type(rec) is Stored else rec for rec in recs]
+
+
 def same(a: JournalState, b: JournalState) -> bool:
-    return a.messages == b.messages and a.keys == b.keys
+    return (
+        a.messages == b.messages
+        and a.keys == b.keys
+        and a.suppressed == b.suppressed
+        and a.deleted == b.deleted
+    )
 
 
 def segment(directory: Path, seq: int) -> Path:
@@ -136,7 +151,7 @@ def test_a_corrupt_byte_costs_only_its_frame(recs, data):
     begin = ends[hit - 1] if hit else 0
     frames = decode_frames(bytes(corrupt))
     # Replay resynchronises on the next intact frame: only the hit one is lost.
-    assert frames.records == recs[:hit] + recs[hit + 1 :]
+    assert full(frames.records) == recs[:hit] + recs[hit + 1 :]
     if hit == len(recs) - 1:  # damage in the last frame looks like a torn write
         assert (frames.end, frames.skipped) == (begin, [])
     else:
@@ -154,8 +169,9 @@ def test_garbage_in_the_middle_costs_only_the_frames_it_covers(recs, data):
     noise = data.draw(st.binary(min_size=stop - begin, max_size=stop - begin), label="noise")
     frames = decode_frames(blob[:begin] + noise + blob[stop:])
     # Whatever the noise decodes to, every intact frame after it is read again.
-    assert frames.records[:first] == recs[:first]
-    assert frames.records[len(frames.records) - (len(recs) - last - 1) :] == recs[last + 1 :]
+    records = full(frames.records)
+    assert records[:first] == recs[:first]
+    assert records[len(records) - (len(recs) - last - 1) :] == recs[last + 1 :]
     assert frames.end == len(blob)
 
 
@@ -365,7 +381,7 @@ def test_forget_keys_before():
     state = applied([old, new, Delete(IDS[0], "delivered"), KeyKept("kept", IDS[2], 30.0)])
     state.forget_keys_before(20.0)
     assert state.keys == {"new": (IDS[1], 20.0), "kept": (IDS[2], 30.0)}
-    assert SnapshotDone() == state.snapshot()[-1]
+    assert SnapshotDone() == list(state.snapshot())[-1]
 
 
 @given(st.lists(records, max_size=30), created_times)
@@ -395,3 +411,90 @@ def test_suppression_list_survives_replay_and_compaction(tmp_path):
     after = replay(tmp_path).state
     assert list(after.suppressed) == ["gone@example.org"]
     assert after.suppressed["gone@example.org"].reason == "550 5.1.1 user unknown"
+
+
+def test_the_queue_is_held_as_the_messages_encodings(tmp_path):
+    first, second = message(IDS[0], "k"), message(IDS[1])
+    updated = msgspec.structs.replace(first, held=True)
+    segment(tmp_path, 1).write_bytes(encode(Put(first)) + encode(Put(second)))
+    segment(tmp_path, 2).write_bytes(encode(Put(updated)) + encode(Delete(IDS[1], "x")))
+    state = replay(tmp_path).state
+    # The later Put replaces the earlier one, the Delete removes its message; what is held
+    # is the Message's msgpack, byte for byte as the journal has it, decoded when read.
+    assert state.messages.encoding(IDS[0]) == msgspec.msgpack.encode(updated)
+    assert IDS[0] in state.messages and IDS[1] not in state.messages
+    assert len(state.messages) == 1 and list(state.messages) == [IDS[0]]
+    assert state.messages[IDS[0]] == state.messages.get(IDS[0]) == updated
+    assert state.messages.get(IDS[1]) is None
+    assert state.keys == {"k": (IDS[0], 100.0)} and state.deleted == {IDS[1]: "x"}
+
+
+def test_replay_decodes_only_the_head_of_a_put(tmp_path, monkeypatch):
+    # Recipients that are not Recipients: a full decode would fail, the head's does not
+    # look at them (they are checked when the message is read).
+    payload = spool_records.PUT_PREFIX + msgspec.msgpack.encode(
+        [IDS[0], "", ["not", "recipients"], 5.0, 10, "p1", None, "k"]
+    )
+    frame = journal._HEADER.pack(len(payload), journal.zlib.crc32(payload)) + payload
+    segment(tmp_path, 1).write_bytes(frame)
+    result = replay(tmp_path)
+    assert result.damage == [] and result.state.keys == {"k": (IDS[0], 5.0)}
+    assert IDS[0] in result.state.messages
+    with pytest.raises(msgspec.ValidationError):
+        result.state.messages[IDS[0]]
+
+
+def test_a_put_whose_head_does_not_decode_is_skipped(tmp_path):
+    payload = spool_records.PUT_PREFIX + msgspec.msgpack.encode([1, 2, 3])  # id not a string
+    frame = journal._HEADER.pack(len(payload), journal.zlib.crc32(payload)) + payload
+    segment(tmp_path, 1).write_bytes(frame + encode(Put(message(IDS[1]))))
+    result = replay(tmp_path)
+    assert list(result.state.messages) == [IDS[1]]
+    assert result.skipped_frames == 1 and "does not decode" in result.damage[0]
+
+
+def test_compaction_never_decodes_a_message(tmp_path, monkeypatch):
+    state = applied([Put(message(IDS[0], "k")), Put(message(IDS[1])), Delete(IDS[2], "x")])
+    monkeypatch.setattr(spool_records, "_message_decoder", None)  # any full decode would fail
+    writer = JournalWriter(tmp_path)
+    compact(writer, state)
+    writer.close()
+    monkeypatch.undo()
+    assert same(replay(tmp_path).state, state)
+    data = list_segments(tmp_path)[0].read_bytes()
+    assert data.startswith(encode(Put(message(IDS[0], "k"))) + encode(Put(message(IDS[1]))))
+
+
+def test_compaction_writes_its_snapshot_in_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal, "CHUNK", 200)
+    state = applied([Put(message(queue_id)) for queue_id in IDS])
+    writes: list[int] = []
+    real = journal.write_all
+    monkeypatch.setattr(
+        journal, "write_all", lambda fd, data: writes.append(len(data)) or real(fd, data)
+    )
+    writer = JournalWriter(tmp_path)
+    compact(writer, state)
+    writer.close()
+    assert len(writes) > 1 and max(writes) < 200 + len(encode(Put(message())))
+    assert same(replay(tmp_path).state, state)
+
+
+def test_a_replayed_segment_is_read_through_a_map_whose_pages_are_dropped(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal, "CHUNK", 4096)
+    recs = [Put(message(f"{i:016X}")) for i in range(1, 400)]
+    segment(tmp_path, 1).write_bytes(b"".join(map(encode, recs)))
+    dropped: list[tuple[int, int]] = []
+    real = journal.mmap.mmap
+
+    class Watched(real):
+        def madvise(self, option, start=0, length=None):
+            assert option == journal.mmap.MADV_DONTNEED
+            dropped.append((start, length))
+            return super().madvise(option, start, length)
+
+    monkeypatch.setattr(journal.mmap, "mmap", Watched)
+    result = replay(tmp_path)
+    assert same(result.state, applied(recs))
+    assert len(dropped) > 1 and dropped[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(dropped))

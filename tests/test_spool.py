@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from mtaqueue.model import Message, Recipient
+from mtaqueue.spool import journal
 from mtaqueue.spool.layout import SpoolLayout
 from mtaqueue.spool.store import WRITER_DOWN, Spool, StorageError
 
@@ -35,18 +36,12 @@ def message(spool: Spool, **fields) -> Message:
 
 async def started(root) -> Spool:
     spool = new_spool(root)
-    spool.open()
-    await spool.start()
+    await spool.open()
     return spool
 
 
 def queued_after_restart(root) -> set[str]:
-    spool = new_spool(root)
-    spool.open()
-    try:
-        return set(spool.messages)
-    finally:
-        os.close(spool._lock_fd)
+    return set(journal.replay(SpoolLayout(root).journal, repair=False).state.messages)
 
 
 def test_a_change_msgpack_cannot_encode_fails_alone_and_the_spool_goes_on(tmp_path):
@@ -110,10 +105,9 @@ def test_a_dead_writer_is_restarted_and_nothing_waiting_is_lost(tmp_path):
         assert spool._process.pid != first and spool.refusal is None
         later = await asyncio.wait_for(spool.accept(message(spool), b"later\r\n"), 10)
         assert await spool.close(5) is True
-        queued = new_spool(tmp_path)
-        queued.open()
-        assert set(queued.messages) == {kept.id, later}
-        assert queued.messages[kept.id].held  # the re-sent update
+        queued = journal.replay(SpoolLayout(tmp_path).journal, repair=False).state.messages
+        assert set(queued) == {kept.id, later}
+        assert queued[kept.id].held  # the re-sent update
 
     asyncio.run(main())
 
@@ -194,3 +188,44 @@ def test_an_incoming_message_in_flight_when_the_writer_dies_is_committed_by_the_
     queue_id = asyncio.run(main())
     assert queued_after_restart(tmp_path) == {queue_id}
     assert tmp_files(tmp_path) == []
+
+
+def test_the_writer_reads_the_journal_while_the_daemon_does(tmp_path, monkeypatch):
+    # At a large queue each reading takes seconds: side by side, not one after the other.
+    # Here the writer even compacts (two segments) and deletes the segments the daemon
+    # is about to read: the daemon opened them first, so it still reads them whole.
+    layout = SpoolLayout(tmp_path)
+
+    async def fill() -> set[str]:
+        ids = set()
+        for _ in range(2):  # two runs: two segments
+            spool = await started(tmp_path)
+            ids.add(await spool.accept(message(spool), b"x\r\n"))
+            assert await spool.close(5)
+        return ids
+
+    ids = asyncio.run(fill())
+    old = journal.list_segments(layout.journal)
+    assert len(old) == 2
+    real = journal.replay
+    deleted_first: list[bool] = []
+
+    def replay(*args, **kwargs):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(path.exists() for path in old):
+            time.sleep(0.01)
+        deleted_first.append(not any(path.exists() for path in old))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(journal, "replay", replay)
+
+    async def restart() -> set[str]:
+        spool = new_spool(tmp_path)
+        await spool.open()
+        try:
+            return set(spool.messages)
+        finally:
+            assert await spool.close(5)
+
+    assert asyncio.run(restart()) == ids
+    assert deleted_first == [True]  # the writer had read, compacted and deleted meanwhile

@@ -161,10 +161,11 @@ def test_a_removed_message_is_not_brought_back_by_its_file(layout):
     assert gone.id in replayed.state.deleted
     report = sweep(layout, set(), replayed.state.deleted, time.time() + 1)
     assert report.adopt == []  # a tombstone: never re-adopted
-    restarted = writer(layout)  # removes it for good before its snapshot forgets the Delete
-    assert restarted.commit([Adopt(gone)])[0].startswith(ERROR)
-    restarted.close()
+    restarted = writer(layout)  # removes it for good as it starts
     assert not layout.message_path(gone.id).exists()
+    assert restarted.commit([Adopt(gone)])[0].startswith(ERROR)
+    restarted.compact()  # so the next snapshot may forget the Delete
+    restarted.close()
     assert journal.replay(layout.journal).state.deleted == {}
     assert gone.id not in queued(layout)
 
@@ -281,3 +282,19 @@ def test_the_snapshot_is_not_written_before_removals_are_durable(layout, monkeyp
     # The directory of the removed file could not be synced: the Delete outlives it.
     assert synced[0] == str(layout.message_dir(gone.id))
     assert gone.id in journal.replay(layout.journal).state.deleted
+
+
+def test_a_start_rewrites_the_journal_only_to_merge_or_repair_it(layout):
+    first = writer(layout)
+    assert first.commit([Accept(message(), b"x\r\n")]) == [OK]
+    first.close()
+    (only,) = journal.list_segments(layout.journal)
+    kept = only.read_bytes()
+    second = writer(layout)  # one whole segment: left as it is, a fresh one follows
+    second.close()
+    assert journal.list_segments(layout.journal) == [only, second.journal.path]
+    assert only.read_bytes() == kept
+    third = writer(layout)  # two segments: merged into one snapshot
+    third.close()
+    assert journal.list_segments(layout.journal) == [third.journal.path]
+    assert len(queued(layout)) == 1

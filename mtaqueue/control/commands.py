@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -13,27 +14,42 @@ from mtaqueue.control.qshape import qshape
 from mtaqueue.control.server import Command, CommandError
 from mtaqueue.model import Message
 
+# Messages decoded per step of a walk over the queue: between steps the event loop
+# runs (at a million queued a walk takes seconds).
+WALK_CHUNK = 2000
+
+
+async def walk(queue: Mapping[str, Message]) -> AsyncIterator[Message]:
+    """The messages queued now, decoded one at a time (a message that leaves the queue
+    meanwhile is passed over): the queue holds them encoded, and a list of a million
+    decoded ones would take gigabytes."""
+    ids = list(queue)
+    for start in range(0, len(ids), WALK_CHUNK):
+        for queue_id in ids[start : start + WALK_CHUNK]:
+            msg = queue.get(queue_id)
+            if msg is not None:
+                yield msg
+        await asyncio.sleep(0)
+
 
 def queue_commands(
-    messages: Callable[[], Iterable[Message]],
-    get: Callable[[str], Message | None],
-    info: Callable[[], dict[str, Any]],
+    queue: Callable[[], Mapping[str, Message]], info: Callable[[], dict[str, Any]]
 ) -> dict[str, Command]:
-    """`status`, `list` and `show` over the daemon's queue.
-
-    `messages` may return a live view (a dict's values): it is copied before the
-    first await, so the queue can change while a long list is being sent.
-    """
+    """`status`, `list` and `show` over the daemon's queue (id -> message). The queue
+    may change while a long list is being sent: each message is read as it comes."""
 
     async def status(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        yield views.status_json(messages(), info())
+        tally = views.StatusTally()
+        async for msg in walk(queue()):
+            tally.add(msg)
+        yield tally.json(info())
 
     async def list_(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         try:
             filters = msgspec.convert(args, views.Filters)
         except msgspec.ValidationError as exc:
             raise CommandError(f"bad list filter: {exc}") from None
-        for msg in list(messages()):
+        async for msg in walk(queue()):
             if views.matches(msg, filters):
                 yield views.message_json(msg)
 
@@ -41,7 +57,7 @@ def queue_commands(
         queue_id = args.get("id")
         if not isinstance(queue_id, str):
             raise CommandError("show needs a message id")
-        msg = get(queue_id)
+        msg = queue().get(queue_id)
         if msg is None:
             raise CommandError(f"no message with id {queue_id}")
         yield views.message_json(msg)
@@ -53,7 +69,9 @@ def queue_commands(
         top = args.get("top") or 20
         if not isinstance(top, int) or top < 1:
             raise CommandError("--top takes a whole number of at least 1")
-        for row in qshape(list(messages()), time.time(), by=by, klass=args.get("class"), top=top):
+        # One pass, decoding a message at a time (not chunked: qshape is a pure fold).
+        messages = queue().values()
+        for row in qshape(messages, time.time(), by=by, klass=args.get("class"), top=top):
             yield row
 
     return {"status": status, "list": list_, "show": show, "qshape": qshape_}

@@ -36,7 +36,8 @@ def operation_commands(
             filters = msgspec.convert(selector, views.Filters)
         except msgspec.ValidationError as exc:
             raise CommandError(f"bad selection: {exc}") from None
-        return [m for m in list(messages()) if views.matches(m, filters)]
+        # Not copied: the walk has no await, and only the matches are kept decoded.
+        return [m for m in messages() if views.matches(m, filters)]
 
     def bulk(action: Callable[[list[Message]], int], verb: str) -> Command:
         async def command(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:

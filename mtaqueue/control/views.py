@@ -7,7 +7,6 @@ pending recipients as ``held`` so that every view agrees with the list.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -69,22 +68,30 @@ def message_json(msg: Message) -> dict[str, Any]:
     }
 
 
-def status_json(messages: Iterable[Message], extra: dict[str, Any]) -> dict[str, Any]:
-    by_state = dict.fromkeys(RECIPIENT_STATES, 0)  # every state, so scripts can rely on the keys
-    by_class: Counter[str] = Counter()
-    count = 0
-    for msg in messages:
-        count += 1
-        by_class[msg.klass] += 1
+class StatusTally:
+    """`status`: messages and recipients counted one message at a time (a walk over a
+    large queue yields to the event loop between messages)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        # Every state, so scripts can rely on the keys.
+        self.by_state = dict.fromkeys(RECIPIENT_STATES, 0)
+        self.by_class: Counter[str] = Counter()
+
+    def add(self, msg: Message) -> None:
+        self.count += 1
+        self.by_class[msg.klass] += 1
         for rcpt in msg.recipients:
-            by_state[recipient_state(msg, rcpt)] += 1
-    return {
-        "messages": count,
-        "recipients": sum(by_state.values()),
-        "by_state": by_state,
-        "by_class": dict(sorted(by_class.items())),
-        **extra,
-    }
+            self.by_state[recipient_state(msg, rcpt)] += 1
+
+    def json(self, extra: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "messages": self.count,
+            "recipients": sum(self.by_state.values()),
+            "by_state": self.by_state,
+            "by_class": dict(sorted(self.by_class.items())),
+            **extra,
+        }
 
 
 def matches(msg: Message, filters: Filters) -> bool:

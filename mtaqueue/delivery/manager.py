@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -71,6 +71,13 @@ RECOVER_AFTER = 60.0  # retry delay after an unexpected error (a bug): not an at
 UNCHARGED_WAITS = 1  # ... once: a repeated internal wait counts as an attempt
 DSN_RETRY = 5.0  # seconds between tries to store a DSN the spool refused (a full disk)
 PENDING = (QUEUED, DEFERRED)
+# Messages read per step of a walk over the whole queue (start, expiry): each message
+# costs a decode, and at a million queued the loop must not stop for the whole walk.
+WALK_CHUNK = 2000
+# Messages active at once (routed, queued at a destination or in transit) up to which the
+# overdue mail found at start is let into the scheduler (Postfix: 20,000 as well).
+ACTIVE_LIMIT = 20_000
+RELEASE_POLL = 0.1  # seconds between looks for room in the active window
 
 
 @dataclass(slots=True)
@@ -109,6 +116,7 @@ class DeliveryManager:
         self._links: dict[int, _Link] = {}  # the core's slots, by connection id
         self._timer: asyncio.TimerHandle | None = None
         self._busy: dict[str, set[int]] = {}  # message id -> recipients routed/queued/in transit
+        self._admitted: set[str] = set()  # overdue at start, let in, not yet dispatched
         self._waits: dict[str, int] = {}  # message id -> internal waits since its last attempt
         self._tasks: set[asyncio.Future] = set()
         self._closing = False
@@ -186,17 +194,46 @@ class DeliveryManager:
 
     def start(self) -> None:
         """Schedule the queue and run. Due times survive restarts; mail that became due
-        meanwhile is spread over retry.restart_spread, except the first class (p0)."""
+        meanwhile is let in as the active window has room, the first class (p0) first,
+        and spread over retry.restart_spread, except the first class."""
         self._learned = self._load_learned()
         self._started = True
-        now = time.time()
-        spread = self.cfg.retry.restart_spread
-        for message in self.spool.messages.values():
-            due = _earliest_due(message)
-            if due is not None:
-                window = 0.0 if message.klass == self.first_class else spread
-                self._schedule(message.id, restart_due(due, now, window, self.rng))
+        self._spawn(self._schedule_queue(list(self.spool.messages), time.time()))
         self._spawn(self._expiry_sweep())
+
+    async def _schedule_queue(self, message_ids: list[str], now: float) -> None:
+        """Schedule the queue found at start, a chunk at a time: a million messages take
+        seconds to read, and neither the listener nor the first deliveries (of the first
+        chunks) wait for the rest. Mail not yet due waits in the core's heap; overdue
+        mail is released into the active window, the first class first."""
+        later: list[str] = []  # overdue, not of the first class: after it
+        for chunk in _chunks(message_ids):
+            for message_id in chunk:
+                message = self._read(message_id)
+                due = None if message is None else _earliest_due(message)
+                if due is None:
+                    continue
+                if due > now:
+                    self._schedule(message_id, due)  # not due yet: it waits in the heap
+                elif message.klass == self.first_class:
+                    await self._let_in(message_id, due, 0.0)
+                else:
+                    later.append(message_id)
+            await asyncio.sleep(0)
+        for message_id in later:
+            message = self._read(message_id)  # again: it may have changed meanwhile
+            due = None if message is None else _earliest_due(message)
+            if due is not None:
+                await self._let_in(message_id, due, self.cfg.retry.restart_spread)
+
+    async def _let_in(self, message_id: str, due: float, window: float) -> None:
+        """Schedule overdue mail found at start once the active window has room: a
+        million overdue messages must not all be routed and queued at destinations at
+        once (as Postfix's qmgr_message_active_limit)."""
+        while len(self._busy) + len(self._admitted) >= ACTIVE_LIMIT and not self._closing:
+            await asyncio.sleep(RELEASE_POLL)
+        self._admitted.add(message_id)  # until dispatched
+        self._schedule(message_id, restart_due(due, time.time(), window, self.rng))
 
     async def close(self, grace: float) -> None:
         """Stop dispatching; let attempts in progress finish for up to `grace` seconds."""
@@ -292,7 +329,7 @@ class DeliveryManager:
     async def _expiry_sweep(self) -> None:
         while not self._closing:
             await asyncio.sleep(EXPIRY_CHECK)
-            self.expire(time.time())
+            await self.expire(time.time())
             # Destinations whose last waiting mail went without a connection (deleted,
             # bounced, expired) or whose stats window passed are forgotten here.
             for destination in list(self.destinations.values()):
@@ -327,13 +364,25 @@ class DeliveryManager:
             return
         self._saved = data
 
-    def expire(self, now: float) -> None:
-        """Expire mail whose lifetime has passed, whatever it waits for (pacing included)."""
-        due = {
-            m.id
-            for m in self.spool.messages.values()
-            if expire_due(m, now, self._settings(m.klass)) is not None
-        }
+    def _read(self, message_id: str) -> Message | None:
+        """A message for a walk over the queue; None if gone, or if its record does not
+        decode (replay checks only a record's head): logged, and left as it is."""
+        try:
+            return self.spool.messages.get(message_id)
+        except msgspec.DecodeError as exc:
+            log.error("record_undecodable", id=message_id, error=str(exc))
+            return None
+
+    async def expire(self, now: float) -> None:
+        """Expire mail whose lifetime has passed, whatever it waits for (pacing included).
+        The queue is read a chunk at a time, as at start."""
+        due: set[str] = set()
+        for chunk in _chunks(list(self.spool.messages)):
+            for message_id in chunk:
+                m = self._read(message_id)
+                if m is not None and expire_due(m, now, self._settings(m.klass)) is not None:
+                    due.add(message_id)
+            await asyncio.sleep(0)
         if not due:
             return
         self._unqueue(lambda item: item.message_id in due)
@@ -351,6 +400,7 @@ class DeliveryManager:
         self, message_id: str, now: float, batch: dict[NextHop, list[tuple[Message, list[int]]]]
     ) -> None:
         """Add the message's due recipients to `batch`, grouped by next hop."""
+        self._admitted.discard(message_id)
         message = self.spool.messages.get(message_id)
         if message is None or message.held or self._closing:
             return
@@ -726,6 +776,8 @@ class DeliveryManager:
         busy = self._busy.get(message_id)
         if busy is not None:
             busy.difference_update(indexes)
+            if not busy:  # not active: a deferred message must not hold a set (nor window room)
+                del self._busy[message_id]
 
     def _apply(self, settlement: Settlement, now: float) -> None:
         message = settlement.message
@@ -954,6 +1006,11 @@ class DeliveryManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _chunks(message_ids: list[str]) -> Iterator[list[str]]:
+    for start in range(0, len(message_ids), WALK_CHUNK):
+        yield message_ids[start : start + WALK_CHUNK]
 
 
 def _earliest_due(message: Message) -> float | None:

@@ -8,21 +8,36 @@ byte, a lost block) costs only the frames it hits: replay skips them and finds
 the next intact frame. Compaction writes the whole state as a snapshot into a
 fresh segment, ending with SnapshotDone, then deletes the older ones; replay
 starts at the newest undamaged segment holding a SnapshotDone.
+
+Replay and compaction stream: a segment is read through a memory map whose pages
+are dropped behind the reader, a Put is kept as the bytes of its Message (only its
+head is decoded: records.Stored), and a snapshot is written a chunk at a time from
+those bytes. Neither ever holds a whole segment, nor a decoded queue.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import re
 import struct
 import typing
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
 from mtaqueue.spool.durable import fsync_dir, write_all
-from mtaqueue.spool.records import JournalState, Record, SnapshotDone
+from mtaqueue.spool.records import (
+    PUT_PREFIX,
+    JournalState,
+    Record,
+    Stored,
+    stored,
+)
 
 _HEADER = struct.Struct("<II")  # payload length, crc32(payload)
 # A corrupt length field must read as a torn frame, not make us trust gigabytes.
@@ -33,13 +48,17 @@ _SEGMENT_NAME = re.compile(r"[0-9]{16}\.log")
 _TAGS = bytes(sorted(cls.__struct_config__.tag for cls in typing.get_args(Record)))
 _PAYLOAD_START = re.compile(b"[\x91-\x9f][" + re.escape(_TAGS) + b"]")
 
+# Compaction writes its snapshot in pieces of about this size; replay drops the pages
+# of a segment it has read past in steps of this size.
+CHUNK = 8 << 20
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
 
 
-def encode(rec: Record) -> bytes:
-    """One framed record."""
-    payload = _encoder.encode(rec)
+def encode(rec: Record | Stored) -> bytes:
+    """One framed record (a Stored is framed as the Put it was read from)."""
+    payload = PUT_PREFIX + rec.data if type(rec) is Stored else _encoder.encode(rec)
     if len(payload) > MAX_PAYLOAD:
         # Replay would take it for a damaged frame and skip it.
         raise ValueError(f"journal record of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
@@ -47,12 +66,19 @@ def encode(rec: Record) -> bytes:
 
 
 class Frames(msgspec.Struct):
-    records: list[Record]  # of the intact frames, in order
+    records: list[Record | Stored]  # of the intact frames, in order; a Put as a Stored
     end: int  # where the last intact frame ends: anything after it is a torn tail
     skipped: list[tuple[int, int, str]]  # damaged stretches before `end`: start, stop, problem
 
 
-def decode_frames(data: bytes) -> Frames:
+def decode_record(payload: memoryview) -> Record | Stored:
+    """A payload's record; a Put as a Stored (raises msgspec.DecodeError)."""
+    if payload[:2] == PUT_PREFIX:
+        return stored(bytes(payload[2:]))
+    return _decoder.decode(payload)
+
+
+def decode_frames(data: bytes | mmap.mmap) -> Frames:
     """The records of every intact frame in data.
 
     A frame that fails its checks is skipped: replay goes on at the next intact frame
@@ -60,37 +86,75 @@ def decode_frames(data: bytes) -> Frames:
     intact frame that does not decode (a bug, or a record of a newer version) is
     skipped too, never cut off: its bytes stay for whoever can read them.
     """
-    view = memoryview(data)
-    records: list[Record] = []
+    records: list[Record | Stored] = []
     skipped: list[tuple[int, int, str]] = []
-    append = records.append
-    decode = _decoder.decode
+
+    def sink(payload: memoryview) -> bool:
+        records.append(decode_record(payload))
+        return False
+
+    end, _, _ = _frames(data, sink, skipped)
+    return Frames(records, end, skipped)
+
+
+def _frames(
+    data: bytes | mmap.mmap,
+    sink: Callable[[memoryview], bool],
+    skipped: list[tuple[int, int, str]],
+) -> tuple[int, int, bool]:
+    """Give `sink` the payload of every intact frame in data (it raises
+    msgspec.DecodeError for one that does not decode, and says whether it was a
+    SnapshotDone); note the damaged stretches in `skipped`. Returns where the last
+    intact frame ends, how many records were taken, and whether a SnapshotDone was."""
+    with memoryview(data) as view:
+        return _walk(data, view, sink, skipped)
+
+
+def _walk(
+    data: bytes | mmap.mmap,
+    view: memoryview,
+    sink: Callable[[memoryview], bool],
+    skipped: list[tuple[int, int, str]],
+) -> tuple[int, int, bool]:
     unpack = _HEADER.unpack_from
     crc32 = zlib.crc32
     header = _HEADER.size
     size = len(data)
-    pos = good = 0
+    # A mapped segment's pages behind the reader are dropped (they are never read
+    # again): mapped pages count in the resident size.
+    release = data.madvise if isinstance(data, mmap.mmap) else None
+    released = 0
+    pos = good = taken = 0
+    snapshot = False
     while pos + header <= size:
+        if release is not None and pos - released >= CHUNK:
+            upto = pos - pos % mmap.PAGESIZE
+            release(mmap.MADV_DONTNEED, released, upto - released)
+            released = upto
         length, crc = unpack(data, pos)
         start = pos + header
         stop = start + length
         # encode() never writes an empty payload: zeros are unwritten space.
-        if 0 < length <= MAX_PAYLOAD and stop <= size and crc32(view[start:stop]) == crc:
-            try:
-                append(decode(view[start:stop]))
-            except msgspec.DecodeError as exc:
-                skipped.append((pos, stop, f"intact frame does not decode: {exc}"))
-            pos = good = stop
-            continue
+        if 0 < length <= MAX_PAYLOAD and stop <= size:
+            payload = view[start:stop]
+            if crc32(payload) == crc:
+                try:
+                    snapshot = sink(payload) or snapshot
+                except msgspec.DecodeError as exc:
+                    skipped.append((pos, stop, f"intact frame does not decode: {exc}"))
+                else:
+                    taken += 1
+                pos = good = stop
+                continue
         resume = _resync(data, view, pos)
         if resume is None:
             break  # a torn tail
         skipped.append((pos, resume, "frame fails its checksum"))
         pos = good = resume
-    return Frames(records, good, skipped)
+    return good, taken, snapshot
 
 
-def _resync(data: bytes, view: memoryview, bad: int) -> int | None:
+def _resync(data: bytes | mmap.mmap, view: memoryview, bad: int) -> int | None:
     """Where the first intact frame after the damaged one at `bad` starts, if anywhere.
 
     Every later position that could start a frame is tried, in order: a frame's own
@@ -106,7 +170,7 @@ def _resync(data: bytes, view: memoryview, bad: int) -> int | None:
     return None
 
 
-def _intact(data: bytes, view: memoryview, pos: int) -> bool:
+def _intact(data: bytes | mmap.mmap, view: memoryview, pos: int) -> bool:
     if pos + _HEADER.size > len(data):
         return False
     length, crc = _HEADER.unpack_from(data, pos)
@@ -116,7 +180,7 @@ def _intact(data: bytes, view: memoryview, pos: int) -> bool:
         return False
     payload = view[start:stop]
     try:
-        _decoder.decode(payload)
+        decode_record(payload)
     except msgspec.DecodeError:
         return False
     return zlib.crc32(payload) == crc
@@ -159,16 +223,21 @@ class JournalWriter:
             os.close(self._fd)
         self._fd, self.path, self.size, self._broken = fd, path, 0, False
 
-    def append(self, data: bytes) -> None:
+    def append(self, data: bytes | Iterable[bytes]) -> None:
+        """Append data, or each piece of an iterable in turn (written as it comes,
+        then one fdatasync): all of it, or nothing."""
         if self._broken:
             self.open_next()
+        written = 0
         try:
-            write_all(self._fd, data)
+            for piece in (data,) if isinstance(data, bytes) else data:
+                write_all(self._fd, piece)
+                written += len(piece)
             os.fdatasync(self._fd)
         except BaseException:  # not only I/O errors: whatever failed, the batch did
             self._roll_back()
             raise
-        self.size += len(data)
+        self.size += written
 
     def _roll_back(self) -> None:
         # Cut the failed bytes off so that the next append, if it succeeds, is
@@ -187,9 +256,8 @@ class JournalWriter:
 
 def compact(writer: JournalWriter, state: JournalState) -> None:
     """Rewrite the journal as one snapshot of state; later appends follow it."""
-    snapshot = b"".join([encode(rec) for rec in state.snapshot()])
     writer.open_next()
-    writer.append(snapshot)
+    writer.append(_chunks(map(encode, state.snapshot())))
     # A crash before this point leaves the old segments whole and the new one
     # without a SnapshotDone, so replay reads both; re-applying a partial
     # snapshot of the state they rebuild changes nothing.
@@ -197,6 +265,20 @@ def compact(writer: JournalWriter, state: JournalState) -> None:
         if path.name < writer.path.name:
             path.unlink()
     fsync_dir(writer.directory)
+
+
+def _chunks(frames: Iterable[bytes]) -> Iterator[bytes]:
+    """Frames joined into pieces of about CHUNK bytes."""
+    piece: list[bytes] = []
+    size = 0
+    for frame in frames:
+        piece.append(frame)
+        size += len(frame)
+        if size >= CHUNK:
+            yield b"".join(piece)
+            piece, size = [], 0
+    if piece:
+        yield b"".join(piece)
 
 
 class ReplayResult(msgspec.Struct):
@@ -209,73 +291,138 @@ class ReplayResult(msgspec.Struct):
     skipped_frames: int  # damaged stretches passed over, each at least one frame
     skipped_bytes: int
     damage: list[str]  # one line per damaged stretch or unreadable segment
+    intact_end: int = 0  # where the last segment's intact frames end (its torn tail starts)
 
 
-def replay(directory: Path, *, repair: bool = True) -> ReplayResult:
+def open_segments(directory: Path) -> list[tuple[Path, BinaryIO | OSError]]:
+    """The journal's segments, oldest first, each opened (or why it could not be). A
+    segment held open stays readable when the writer deletes it meanwhile (a compaction
+    as the daemon starts, while the daemon is still reading)."""
+    opened: list[tuple[Path, BinaryIO | OSError]] = []
+    for path in list_segments(directory):
+        try:
+            opened.append((path, path.open("rb")))
+        except OSError as exc:
+            opened.append((path, exc))
+    return opened
+
+
+def close_segments(opened: list[tuple[Path, BinaryIO | OSError]]) -> None:
+    for _, file in opened:
+        if not isinstance(file, OSError):
+            file.close()
+
+
+def cut_torn_tail(result: ReplayResult) -> None:
+    """Cut off the torn tail a replay with repair=False found, if the segment is still
+    there (a compaction may have replaced it meanwhile)."""
+    if result.dropped_bytes and result.last_segment is not None:
+        with contextlib.suppress(FileNotFoundError):
+            _truncate(result.last_segment, result.intact_end)
+
+
+def replay(
+    directory: Path,
+    *,
+    repair: bool = True,
+    segments: list[tuple[Path, BinaryIO | OSError]] | None = None,
+) -> ReplayResult:
     """Rebuild the state from the journal, cutting a torn tail off the last segment.
 
     Damage never stops a replay: it is skipped and described in `damage`. With
     repair=False nothing on disk is changed (a second reader of a journal that its
-    owner has already repaired).
-    """
-    paths = list_segments(directory)
-    # Newest first, so that segments older than the last snapshot are never read.
-    decoded: list[tuple[Path, Frames, int]] = []
-    damage: list[str] = []
-    obsolete: list[Path] = []
-    for index in range(len(paths) - 1, -1, -1):
-        path = paths[index]
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            damage.append(f"journal segment {path.name}: unreadable: {exc.strerror}")
-            continue
-        frames = decode_frames(data)
-        decoded.append((path, frames, len(data)))
-        # A snapshot with a hole is no base: older segments may hold what it lost.
-        if not frames.skipped and any(type(rec) is SnapshotDone for rec in frames.records):
-            obsolete = paths[:index]
-            break
-    decoded.reverse()
+    owner has already repaired, or one that repairs later: `cut_torn_tail`).
+    `segments`: the journal's, opened by `open_segments` (else they are opened here).
 
-    state = JournalState()
-    apply = state.apply
-    count = dropped = skipped_bytes = 0
-    skipped_frames = len(damage)
-    for path, frames, size in decoded:
-        for rec in frames.records:
-            apply(rec)
-        count += len(frames.records)
-        for start, stop, problem in frames.skipped:
-            damage.append(f"journal segment {path.name}: bytes {start}-{stop} skipped: {problem}")
-            skipped_bytes += stop - start
-        skipped_frames += len(frames.skipped)
-        if frames.end == size:
+    Segments are read newest first, so that those older than the last snapshot are
+    never read; each is replayed into a state of its own, on which the state of the
+    newer ones is then applied (`JournalState.update`): no segment's records are held.
+    """
+    opened = open_segments(directory) if segments is None else segments
+    try:
+        return _replay(opened, repair)
+    finally:
+        if segments is None:
+            close_segments(opened)
+
+
+def _replay(opened: list[tuple[Path, BinaryIO | OSError]], repair: bool) -> ReplayResult:
+    paths = [path for path, _ in opened]
+    state: JournalState | None = None  # of the segments read so far
+    damage: list[list[str]] = []  # per segment read, newest first
+    obsolete: list[Path] = []
+    segments = count = dropped = skipped_frames = skipped_bytes = intact_end = 0
+    for index in range(len(paths) - 1, -1, -1):
+        path, file = opened[index]
+        older = JournalState()
+        lines: list[str] = []
+        damage.append(lines)
+        try:
+            if isinstance(file, OSError):
+                raise file
+            read = _read(file, older)
+        except OSError as exc:
+            lines.append(f"journal segment {path.name}: unreadable: {exc.strerror}")
+            skipped_frames += 1
             continue
-        if path == paths[-1]:
-            dropped += size - frames.end
+        segments += 1
+        count += read.records
+        for start, stop, problem in read.skipped:
+            lines.append(f"journal segment {path.name}: bytes {start}-{stop} skipped: {problem}")
+            skipped_bytes += stop - start
+        skipped_frames += len(read.skipped)
+        if read.end != read.size and path == paths[-1]:
+            dropped += read.size - read.end
+            intact_end = read.end
             if repair:
-                _truncate(path, frames.end)
-        else:
+                _truncate(path, read.end)
+        elif read.end != read.size:
             # The writer gave up on this segment after a failed append and moved on,
             # or the disk lost its end.
-            damage.append(
-                f"journal segment {path.name}: {size - frames.end} bytes after byte"
-                f" {frames.end} skipped: no intact frame"
+            lines.append(
+                f"journal segment {path.name}: {read.size - read.end} bytes after byte"
+                f" {read.end} skipped: no intact frame"
             )
             skipped_frames += 1
-            skipped_bytes += size - frames.end
+            skipped_bytes += read.size - read.end
+        if state is not None:
+            older.update(state)
+        state = older
+        # A snapshot with a hole is no base: older segments may hold what it lost.
+        if read.snapshot and not read.skipped:
+            obsolete = paths[:index]
+            break
     return ReplayResult(
-        state=state,
-        segments=len(decoded),
+        state=state if state is not None else JournalState(),
+        segments=segments,
         records=count,
         dropped_bytes=dropped,
         last_segment=paths[-1] if paths else None,
         obsolete=obsolete,
         skipped_frames=skipped_frames,
         skipped_bytes=skipped_bytes,
-        damage=damage,
+        damage=[line for lines in reversed(damage) for line in lines],
+        intact_end=intact_end,
     )
+
+
+class _Segment(msgspec.Struct):
+    size: int
+    end: int  # as Frames.end
+    skipped: list[tuple[int, int, str]]
+    records: int  # intact records applied
+    snapshot: bool  # one of them is a SnapshotDone
+
+
+def _read(file: BinaryIO, state: JournalState) -> _Segment:
+    """Apply a segment's records to state, through a memory map."""
+    read = _Segment(0, 0, [], 0, False)
+    read.size = os.fstat(file.fileno()).st_size
+    if read.size == 0:  # an empty file cannot be mapped
+        return read
+    with mmap.mmap(file.fileno(), read.size, access=mmap.ACCESS_READ) as data:
+        read.end, read.records, read.snapshot = _frames(data, state.apply_payload, read.skipped)
+    return read
 
 
 def _truncate(path: Path, length: int) -> None:

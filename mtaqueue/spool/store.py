@@ -1,7 +1,7 @@
 """The spool as the daemon sees it: the queue index plus a link to the writer.
 
-`open()` locks the spool and rebuilds the queue from the journal. `start()`
-spawns the writer process (writer.py), which makes every change durable. The
+`open()` locks the spool, rebuilds the queue from the journal and spawns the
+writer process (writer.py), which makes every change durable. The
 daemon's changes are queued here and sent as one batch whenever the writer is
 idle; each change's future resolves only once the writer has synced it, so a
 250 reply never precedes the disk. The index (`messages`) is updated on the
@@ -39,7 +39,7 @@ from . import journal
 from .durable import is_disk_full
 from .layout import SpoolLayout
 from .message_file import MessageFileWriter, read_content
-from .records import Suppress, Unsuppress
+from .records import MessageMap, Suppress, Unsuppress
 from .writer import (
     ERROR,
     FULL,
@@ -106,7 +106,7 @@ class Spool:
         self._min_free = min_free  # total bytes of the file system -> bytes to keep free
         self._compact_size = compact_size
         self.dedupe_window = dedupe_window
-        self.messages: dict[str, Message] = {}
+        self.messages = MessageMap()  # the queue, held encoded (records.py)
         self.keys: dict[str, tuple[str, float]] = {}  # idempotency key -> (id, created)
         self.suppressed: dict[str, Suppress] = {}  # lower-cased address -> entry
         self.ids = IdGenerator()
@@ -149,12 +149,32 @@ class Spool:
 
     # -- start and stop ----------------------------------------------------------
 
-    def open(self) -> RecoveryReport:
-        """Lock the spool and rebuild the queue from the journal (blocking)."""
+    async def open(self) -> RecoveryReport:
+        """Lock the spool, rebuild the queue from the journal and start the writer.
+
+        The writer reads the journal too, in its own process, while we do: at a large
+        queue each reading takes seconds, side by side rather than one after the other.
+        So that it reads what we read, the segments are opened before it starts (one it
+        deletes by compacting stays readable), and our repairs (the torn tail cut off,
+        the segments older than the last snapshot deleted) wait until it is ready.
+        """
         started = time.monotonic()
         self.layout.create()
         self._lock()
-        result = journal.replay(self.layout.journal)
+        segments = journal.open_segments(self.layout.journal)
+        try:
+            reading = asyncio.ensure_future(
+                asyncio.to_thread(
+                    journal.replay, self.layout.journal, repair=False, segments=segments
+                )
+            )
+            try:
+                await self._spawn()
+            finally:
+                result = await reading
+        finally:
+            journal.close_segments(segments)
+        journal.cut_torn_tail(result)
         for path in result.obsolete:
             path.unlink(missing_ok=True)
         self.messages = result.state.messages
@@ -174,11 +194,6 @@ class Spool:
             seconds=time.monotonic() - started,
             deleted=set(result.state.deleted),
         )
-
-    async def start(self) -> None:
-        """Spawn the writer and wait until it has read the journal."""
-        await self._spawn()
-        self._send()
 
     async def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
@@ -361,12 +376,12 @@ class Spool:
             future = asyncio.get_running_loop().create_future()
             future.set_result(message.id)
             return future
-        self.messages[message.id] = message
+        self.messages.put(message)
         return self._enqueue(Update(message))
 
     def remove(self, queue_id: str, reason: str) -> asyncio.Future:
         """Journal the end of a message, then delete its file (leaves the queue at once)."""
-        self.messages.pop(queue_id, None)
+        self.messages.pop(queue_id)
         return self._enqueue(Remove(queue_id, reason))
 
     def suppress(self, address: str, until: float, reason: str) -> asyncio.Future:
@@ -480,7 +495,7 @@ class Spool:
             future.set_result(result)
         if isinstance(op, Accept | Adopt | Place):  # durable: queued, whoever still waits
             message = op.message
-            self.messages[message.id] = message
+            self.messages.put(message)
             if message.idempotency_key is not None:
                 self.keys[message.idempotency_key] = (message.id, message.created)
             if self.on_commit is not None:

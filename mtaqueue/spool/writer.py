@@ -124,19 +124,28 @@ class SpoolWriter:
         self.compact_size = compact_size
         self.dedupe_window = dedupe_window
         # The daemon has already repaired the journal; this is a second reading of it.
-        self.state: JournalState = journal.replay(self.layout.journal, repair=False).state
+        replayed = journal.replay(self.layout.journal, repair=False)
+        self.state: JournalState = replayed.state
         # A writer that died may have left appends that were read just now but never
         # synced; the daemon is about to rely on them (Adopt), so make them durable.
         # (A segment that cannot even be opened was skipped by the replay; the
         # compaction below rewrites everything it read.)
-        for path in journal.list_segments(self.layout.journal):
+        segments = journal.list_segments(self.layout.journal)
+        for path in segments:
             with contextlib.suppress(OSError):
                 fsync_path(path)
         self.journal = journal.JournalWriter(self.layout.journal)
         self._base_size = 0  # journal size right after the last compaction
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="spool-io")
-        if len(journal.list_segments(self.layout.journal)) > 1:
-            self.compact()  # merge the segments left by earlier runs
+        # Merge the segments left by earlier runs, and rewrite a damaged journal. A
+        # single whole segment (the last snapshot and what followed it) is left as it
+        # is: rewriting a large queue at every start would delay the first answer for
+        # nothing; only its removed messages' files are made sure of (as a compaction
+        # would).
+        if len(segments) > 1 or replayed.damage:
+            self.compact()
+        else:
+            self._bury()
 
     def commit(self, ops: list[Op]) -> list[str]:
         outcomes = [OK] * len(ops)
