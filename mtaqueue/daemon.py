@@ -123,7 +123,7 @@ class Daemon:
         self.alerts = Alerts(cfg.alerts.rules)
         self.metrics = Metrics(
             Sources(
-                messages=lambda: self.spool.messages.values(),  # open() replaces the dict
+                queue=lambda: self.spool.messages,  # open() replaces it
                 classes=lambda: self.cfg.classes,
                 destinations=self.delivery.domains,
                 dns=lambda: (self.resolver.cache.hits, self.resolver.cache.misses),
@@ -284,6 +284,7 @@ class Daemon:
             await asyncio.sleep(self.cfg.alerts.interval)
             if not self.cfg.alerts.rules:
                 continue
+            await self.metrics.refresh()
             now = time.time()
             self._log_alerts(self.alerts.evaluate(now, self.metrics.snapshot(now)))
 

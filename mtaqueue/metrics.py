@@ -3,7 +3,9 @@
 Events (a delivery attempt, a new connection) are counted as they happen, through calls
 from the daemon. State (the queue, each destination's pacing, the spool) is read when it
 is scraped, through the `Sources` callables, so a scrape shows the present and nothing has
-to be kept in step by hand. The registry is our own, not prometheus_client's global one.
+to be kept in step by hand. The queue is walked a chunk at a time (`refresh`, before each
+scrape and alert evaluation), so a large queue never stalls the event loop. The registry
+is our own, not prometheus_client's global one.
 
 Label sets stay bounded: the `top_n` destinations by pending recipients (then by attempts)
 keep their names and the rest are summed into "other". The ranking is redone each time
@@ -45,6 +47,7 @@ from .logs import get_logger
 from .model import DEFERRED, QUEUED, Message
 from .policy.breaker import CLOSED, HALF_OPEN, OPEN
 from .policy.classify import DELIVERED
+from .spool.walk import walk
 
 log = get_logger("metrics")
 
@@ -64,7 +67,7 @@ REQUEST_TIMEOUT = 10.0  # seconds for a scraper to send its request head
 class Sources:
     """Where the state is read, at scrape time, on the event loop."""
 
-    messages: Callable[[], Iterable[Message]]  # the queue (Spool.messages.values)
+    queue: Callable[[], Mapping[str, Message]]  # id -> message (Spool.messages)
     # Always shown, so an empty class reads 0 rather than nothing (the configured classes)
     classes: Callable[[], Iterable[str]]
     destinations: Callable[[], Iterable[Mapping[str, Any]]]  # DeliveryManager.domains
@@ -75,15 +78,35 @@ class Sources:
 
 
 @dataclass(slots=True)
+class _QueueTally:
+    """One walk over the queue: recipients by domain (far fewer keys to route than
+    recipients), messages by class, the oldest waiting message by class."""
+
+    by_domain: Tally[tuple[str, str, str]] = field(default_factory=Tally)  # domain, class, state
+    messages: Tally[str] = field(default_factory=Tally)  # class -> messages
+    # class -> when the oldest message with recipients waiting (not held) arrived
+    oldest: dict[str, float] = field(default_factory=dict)
+
+    def add(self, message: Message) -> None:
+        klass = message.klass
+        self.messages[klass] += 1
+        waiting = False
+        for rcpt in message.recipients:
+            state = recipient_state(message, rcpt)
+            self.by_domain[rcpt.address.rpartition("@")[2].lower(), klass, state] += 1
+            waiting = waiting or state in PENDING
+        if waiting and message.created < self.oldest.get(klass, math.inf):
+            self.oldest[klass] = message.created
+
+
+@dataclass(slots=True)
 class _Shape:
     """The queue measured once, by the scheduler's destination names (not bounded)."""
 
     destinations: list[Mapping[str, Any]]  # the scheduler's snapshots
+    queue: _QueueTally
     recipients: Tally[tuple[str, str, str]] = field(default_factory=Tally)  # dest, class, state
     depth: Tally[str] = field(default_factory=Tally)  # destination -> pending recipients
-    messages: Tally[str] = field(default_factory=Tally)  # class -> messages
-    # class -> when the oldest message with recipients waiting (not held) arrived
-    oldest: dict[str, float] = field(default_factory=dict)
 
 
 class Metrics:
@@ -126,6 +149,8 @@ class Metrics:
         self._series: dict[str, set[tuple[MetricWrapperBase, tuple[str, ...]]]] = {}
         self._routes: dict[str, str] = {}  # recipient domain -> destination, from attempts
         self._replies: dict[str, list[int]] = {}  # destination -> [attempts, deferrals]
+        self._tally = _QueueTally()  # the last walk's (see refresh)
+        self._walking: asyncio.Task[None] | None = None
         self.registry.register(self)
 
     # -- events ----------------------------------------------------------------------------
@@ -165,7 +190,7 @@ class Metrics:
         shape = self._measure()
         names = shape.depth.keys() | self._replies.keys()
         return Snapshot(
-            oldest={klass: now - created for klass, created in shape.oldest.items()},
+            oldest={klass: now - created for klass, created in shape.queue.oldest.items()},
             destinations={
                 name: DestinationStats(shape.depth[name], *self._replies.get(name, (0, 0)))
                 for name in names
@@ -196,9 +221,9 @@ class Metrics:
             "Age of the oldest message with recipients waiting (not held), by class",
             labels=("class",),
         )
-        for klass in sorted(set(self.sources.classes()) | shape.messages.keys()):
-            messages.add_metric((klass,), shape.messages[klass])
-            created = shape.oldest.get(klass)
+        for klass in sorted(set(self.sources.classes()) | shape.queue.messages.keys()):
+            messages.add_metric((klass,), shape.queue.messages[klass])
+            created = shape.queue.oldest.get(klass)
             oldest.add_metric((klass,), 0.0 if created is None else now - created)
         yield messages
         yield oldest
@@ -283,27 +308,30 @@ class Metrics:
             count.add_metric(labels, n)
         yield from (connections, limit, rate, stage, circuit, count)
 
+    async def refresh(self) -> None:
+        """Walk the queue again; scrapes and snapshots read the last walk. At a million
+        queued a walk takes seconds, so it yields to the event loop as it goes, and
+        callers that come meanwhile share the walk under way."""
+        if self._walking is None or self._walking.done():
+            self._walking = asyncio.get_running_loop().create_task(self._walk())
+        await asyncio.shield(self._walking)
+
+    async def _walk(self) -> None:
+        tally = _QueueTally()
+        async for message in walk(self.sources.queue()):
+            tally.add(message)
+        self._tally = tally
+
     def _measure(self) -> _Shape:
-        """Walk the queue once; rank the destinations; forget what nothing refers to."""
-        shape = _Shape(list(self.sources.destinations()))
+        """Route the last walk's tally; rank the destinations; forget what nothing
+        refers to."""
+        shape = _Shape(list(self.sources.destinations()), self._tally)
         routes = dict(self._routes)
         for d in shape.destinations:
             for domain in d["domains"]:
                 routes[domain] = d["destination"]
-        # Counted by domain first: far fewer keys to route than recipients.
-        by_domain: Tally[tuple[str, str, str]] = Tally()
-        for message in self.sources.messages():
-            klass = message.klass
-            shape.messages[klass] += 1
-            waiting = False
-            for rcpt in message.recipients:
-                state = recipient_state(message, rcpt)
-                by_domain[rcpt.address.rpartition("@")[2].lower(), klass, state] += 1
-                waiting = waiting or state in PENDING
-            if waiting and message.created < shape.oldest.get(klass, math.inf):
-                shape.oldest[klass] = message.created
         waiting_domains: set[str] = set()
-        for (domain, klass, state), count in by_domain.items():
+        for (domain, klass, state), count in shape.queue.by_domain.items():
             destination = routes.get(domain, domain)
             shape.recipients[destination, klass, state] += count
             if state in PENDING:
@@ -342,7 +370,7 @@ async def serve(metrics: Metrics, host: str, port: int) -> asyncio.Server:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
-            writer.write(_answer(metrics, head))
+            writer.write(await _answer(metrics, head))
             await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass  # no complete request head: nothing to answer
@@ -354,12 +382,13 @@ async def serve(metrics: Metrics, host: str, port: int) -> asyncio.Server:
     return await asyncio.start_server(handle, host, port)
 
 
-def _answer(metrics: Metrics, head: bytes) -> bytes:
+async def _answer(metrics: Metrics, head: bytes) -> bytes:
     method, _, rest = head.partition(b" ")
     path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
     if method != b"GET" or path != b"/metrics":
         return _response("404 Not Found", "text/plain; charset=utf-8", b"not found\n")
     try:
+        await metrics.refresh()
         body = generate_latest(metrics.registry)
     except Exception:  # a failing source must not cost the scraper its answer
         log.exception("metrics_failed")

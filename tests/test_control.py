@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
-from mtaqueue.control import commands, ctl, protocol
+from mtaqueue.control import ctl, protocol
 from mtaqueue.control.commands import queue_commands
 from mtaqueue.control.server import Command, CommandError, ControlError, ControlServer
 from mtaqueue.ids import IdGenerator
 from mtaqueue.model import RECIPIENT_STATES, Message, Recipient
+from mtaqueue.spool import walk
 
 REPO = Path(__file__).resolve().parents[1]
 NOW = 1_700_000_000.0
@@ -634,10 +635,10 @@ def test_peer_credentials(
 def test_a_walk_over_the_queue_lets_the_event_loop_run_and_reads_as_it_goes(monkeypatch):
     # At a million queued a status or list takes seconds: the loop must go on meanwhile,
     # and the messages are read one at a time (the queue holds them encoded).
-    monkeypatch.setattr(commands, "WALK_CHUNK", 2)
+    monkeypatch.setattr(walk, "WALK_CHUNK", 2)
     queue = dict(MESSAGES)
 
-    async def main() -> tuple[dict[str, Any], int]:
+    async def run(name: str) -> tuple[list[dict[str, Any]], int]:
         ticks = 0
 
         async def ticker() -> None:
@@ -648,12 +649,14 @@ def test_a_walk_over_the_queue_lets_the_event_loop_run_and_reads_as_it_goes(monk
 
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0)
-        (status,) = [reply async for reply in _commands(queue)["status"]({})]
+        replies = [reply async for reply in _commands(queue)[name]({})]
         task.cancel()
-        return status, ticks
+        return replies, ticks
 
-    status, ticks = asyncio.run(main())
+    (status,), ticks = asyncio.run(run("status"))
     assert status["messages"] == len(MESSAGES) and ticks >= len(MESSAGES) // 2
+    rows, ticks = asyncio.run(run("qshape"))
+    assert rows[0]["key"] == "TOTAL" and ticks >= len(MESSAGES) // 2
 
     async def listed() -> list[str]:
         ids = []

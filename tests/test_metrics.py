@@ -24,6 +24,7 @@ from mtaqueue.policy.classify import classify
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.settle import Result, SettleSettings, settle
 from mtaqueue.policy.shaper import DestinationShaper
+from mtaqueue.spool import walk
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 NOW = 1_000_000.0
@@ -42,7 +43,7 @@ class State:
 
     def metrics(self, top_n: int = 20) -> Metrics:
         sources = Sources(
-            messages=lambda: self.messages,
+            queue=lambda: {m.id: m for m in self.messages},
             classes=lambda: CLASSES,
             destinations=lambda: [
                 d.snapshot(NOW, {}, dict.fromkeys(CLASSES, 0), active)
@@ -254,6 +255,7 @@ def test_label_sets_stay_bounded_however_many_destinations_and_however_they_chan
             for n, depth in enumerate(ranking)
         ]
         state.destinations = [destination(f"d{n}.example", f"d{n}.example") for n in range(100)]
+        asyncio.run(metrics.refresh())
         metrics.snapshot(NOW)  # ranks
         for n, msg in enumerate(state.messages):
             metrics.observe_delivery(delivery_event(msg, 0, "rcpt", 250, "ok", f"d{n}.example"))
@@ -274,12 +276,41 @@ def test_the_alert_snapshot_has_every_destination_by_name():
         delivery_event(msg, 0, "rcpt", 421, "4.7.0 slow down", "mx.example.net")
     )
     metrics.observe_delivery(delivery_event(msg, 1, "rcpt", 250, "2.1.5 ok", "mx.example.net"))
+    asyncio.run(metrics.refresh())
     snapshot = metrics.snapshot(NOW)
     assert snapshot.oldest == {"p0": 120.0, "p2": 7200.0}
     assert snapshot.spool_free == 5 * 2**30
     net = snapshot.destinations["mx.example.net"]
     assert (net.depth, net.attempts, net.deferrals) == (2, 2, 1)
     assert snapshot.destinations[GMAIL].depth == 1
+
+
+def test_measuring_a_large_queue_lets_the_event_loop_run(monkeypatch):
+    # At a million queued a walk takes seconds: SMTP sessions must go on meanwhile, and a
+    # scrape that comes during a walk shares it.
+    monkeypatch.setattr(walk, "WALK_CHUNK", 2)
+    state = State()
+    state.messages = [message(f"M{n}", "p1", n, ("r@example.net", QUEUED)) for n in range(20)]
+    metrics = state.metrics()
+
+    async def main() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        await asyncio.gather(metrics.refresh(), metrics.refresh())
+        task.cancel()
+        return ticks
+
+    assert asyncio.run(main()) >= 10
+    snapshot = metrics.snapshot(NOW)
+    assert snapshot.destinations["example.net"].depth == 20 and snapshot.oldest == {"p1": 19}
 
 
 def test_anything_but_get_metrics_is_not_found_and_a_failing_source_is_a_500():
@@ -290,7 +321,7 @@ def test_anything_but_get_metrics_is_not_found_and_a_failing_source_is_a_500():
     def broken() -> tuple[int, int]:
         raise RuntimeError("resolver gone")
 
-    sources = Sources(list, list, list, broken, lambda: 0, lambda: 0, list)
+    sources = Sources(dict, list, list, broken, lambda: 0, lambda: 0, list)
     metrics = Metrics(sources)
     status, _, _ = scrape(metrics)
     assert status == 500

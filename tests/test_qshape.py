@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from mtaqueue.control.qshape import LABELS, qshape, render
+from mtaqueue.control.qshape import LABELS, QShape, render
 from mtaqueue.model import DELIVERED, Message, Recipient
 
 NOW = 1_000_000.0
@@ -20,6 +20,13 @@ def message(i: int, minutes: float, *domains: str, klass="p1", sender="a@s.test"
         klass=klass,
         tenant=tenant,
     )
+
+
+def qshape(messages, now, *, top=20, **options) -> list[dict]:
+    shape = QShape(now, **options)
+    for msg in messages:
+        shape.add(msg)
+    return shape.rows(top)
 
 
 def column(label: str) -> int:

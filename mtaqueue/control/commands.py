@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import msgspec
 
 from mtaqueue.control import views
-from mtaqueue.control.qshape import qshape
+from mtaqueue.control.qshape import QShape
 from mtaqueue.control.server import Command, CommandError
 from mtaqueue.model import Message
-
-# Messages decoded per step of a walk over the queue: between steps the event loop
-# runs (at a million queued a walk takes seconds).
-WALK_CHUNK = 2000
-
-
-async def walk(queue: Mapping[str, Message]) -> AsyncIterator[Message]:
-    """The messages queued now, decoded one at a time (a message that leaves the queue
-    meanwhile is passed over): the queue holds them encoded, and a list of a million
-    decoded ones would take gigabytes."""
-    ids = list(queue)
-    for start in range(0, len(ids), WALK_CHUNK):
-        for queue_id in ids[start : start + WALK_CHUNK]:
-            msg = queue.get(queue_id)
-            if msg is not None:
-                yield msg
-        await asyncio.sleep(0)
+from mtaqueue.spool.walk import walk
 
 
 def queue_commands(
@@ -69,9 +52,10 @@ def queue_commands(
         top = args.get("top") or 20
         if not isinstance(top, int) or top < 1:
             raise CommandError("--top takes a whole number of at least 1")
-        # One pass, decoding a message at a time (not chunked: qshape is a pure fold).
-        messages = queue().values()
-        for row in qshape(messages, time.time(), by=by, klass=args.get("class"), top=top):
+        shape = QShape(time.time(), by=by, klass=args.get("class"))
+        async for msg in walk(queue()):
+            shape.add(msg)
+        for row in shape.rows(top):
             yield row
 
     return {"status": status, "list": list_, "show": show, "qshape": qshape_}

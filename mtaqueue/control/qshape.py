@@ -8,7 +8,6 @@ up, and since when. Pure: `now` and the messages are passed in.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
 
 from ..model import FINAL_STATES, Message
 
@@ -16,35 +15,36 @@ BUCKETS = (5, 10, 20, 40, 80, 160, 320, 640, 1280)  # upper bounds, minutes
 LABELS = [*map(str, BUCKETS), "1280+"]
 
 
-def qshape(
-    messages: Iterable[Message],
-    now: float,
-    *,
-    by: str = "domain",
-    klass: str | None = None,
-    top: int = 20,
-) -> list[dict]:
-    """Rows {"key", "total", "buckets": [counts per LABELS]}, TOTAL first.
+class QShape:
+    """The table, a message at a time (a walk over a large queue yields between chunks)."""
 
-    By domain a message counts once per recipient domain it still has pending
-    recipients in (as Postfix counts recipients' domains); by sender or tenant, once.
-    """
-    rows: dict[str, list[int]] = defaultdict(lambda: [0] * len(LABELS))
-    total = [0] * len(LABELS)
-    for message in messages:
-        if klass is not None and message.klass != klass:
-            continue
-        keys = _keys(message, by)
+    def __init__(self, now: float, *, by: str = "domain", klass: str | None = None) -> None:
+        self.now = now
+        self.by = by
+        self.klass = klass
+        self._rows: dict[str, list[int]] = defaultdict(lambda: [0] * len(LABELS))
+        self._total = [0] * len(LABELS)
+
+    def add(self, message: Message) -> None:
+        """By domain a message counts once per recipient domain it still has pending
+        recipients in (as Postfix counts recipients' domains); by sender or tenant, once."""
+        if self.klass is not None and message.klass != self.klass:
+            return
+        keys = _keys(message, self.by)
         if not keys:
-            continue
-        column = _column((now - message.created) / 60)
-        total[column] += 1
+            return
+        column = _column((self.now - message.created) / 60)
+        self._total[column] += 1
         for key in keys:
-            rows[key][column] += 1
-    ranked = Counter({key: sum(counts) for key, counts in rows.items()}).most_common(top)
-    result = [{"key": "TOTAL", "total": sum(total), "buckets": total}]
-    result += [{"key": key, "total": count, "buckets": rows[key]} for key, count in ranked]
-    return result
+            self._rows[key][column] += 1
+
+    def rows(self, top: int = 20) -> list[dict]:
+        """Rows {"key", "total", "buckets": [counts per LABELS]}, TOTAL first."""
+        rows = self._rows
+        ranked = Counter({key: sum(counts) for key, counts in rows.items()}).most_common(top)
+        result = [{"key": "TOTAL", "total": sum(self._total), "buckets": self._total}]
+        result += [{"key": key, "total": count, "buckets": rows[key]} for key, count in ranked]
+        return result
 
 
 def _keys(message: Message, by: str) -> set[str]:
