@@ -6,13 +6,20 @@ import io
 
 from mtaqueue import config
 from mtaqueue.control import ctl
-from mtaqueue.delivery.destination import Destination, destinations_view
+from mtaqueue.delivery.destination import Destination, DestinationsView
 from mtaqueue.model import DEFERRED, DELIVERED, QUEUED, Message, Recipient
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.shaper import DestinationShaper
 
 NOW = 1_800_000_000.0
 CLASSES = {"p0": (0, 1), "p1": (1, 4), "p2": (2, 1)}
+
+
+def destinations_view(live, messages, busy) -> list[dict]:
+    view = DestinationsView(live, busy)
+    for msg in messages:
+        view.add(msg)
+    return view.entries()
 
 
 def message(queue_id: str, *rcpts: Recipient, klass: str = "p1", held: bool = False) -> Message:

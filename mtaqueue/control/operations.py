@@ -46,7 +46,7 @@ def operation_commands(
         return command
 
     async def domains(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        for entry in manager.view():
+        for entry in await manager.view():
             yield entry
 
     async def limit(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:

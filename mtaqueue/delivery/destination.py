@@ -8,7 +8,7 @@ group_by = "domain" every domain is its own destination.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from ..config import Pacing
@@ -91,45 +91,55 @@ class Destination:
         }
 
 
-def destinations_view(
-    live: list[dict], messages: Iterable[Message], busy: Mapping[str, Collection[int]]
-) -> list[dict]:
-    """Every destination with waiting mail or state to show, by name: the live ones'
-    snapshots (`live`), each with `deferred`, the messages by class with a recipient there
-    waiting for its retry time (pending, not held, not queued or in transit: `busy`); and for
-    deferred mail no live destination has routed (after a restart, say) one entry per
-    domain, `routed` false, with its recipients' last replies."""
-    owner = {domain: d["destination"] for d in live for domain in d["domains"]}
-    names = {d["destination"] for d in live}
-    deferred: dict[str, Counter[str]] = {}
-    replies: dict[str, list[tuple[float, str]]] = {}
-    for message in messages:
+class DestinationsView:
+    """Every destination with waiting mail or state to show, by name (`mtaqueue-ctl
+    domains`), built a message at a time (a walk over a large queue yields as it goes):
+    the live ones' snapshots (`live`), each with `deferred`, the messages by class with a
+    recipient there waiting for its retry time (pending, not held, not queued or in
+    transit: `busy`); and for deferred mail no live destination has routed (after a
+    restart, say) one entry per domain, `routed` false, with its recipients' last
+    replies."""
+
+    def __init__(self, live: list[dict], busy: Mapping[str, Collection[int]]) -> None:
+        self._live = live
+        self._owner = {domain: d["destination"] for d in live for domain in d["domains"]}
+        self._names = {d["destination"] for d in live}
+        self._busy = busy
+        self._deferred: dict[str, Counter[str]] = {}
+        self._replies: dict[str, list[tuple[float, str]]] = {}
+
+    def add(self, message: Message) -> None:
         if message.held:
-            continue
-        in_transit = busy.get(message.id, ())
+            return
+        in_transit = self._busy.get(message.id, ())
         seen: set[str] = set()
         for i, rcpt in enumerate(message.recipients):
             if rcpt.state not in (QUEUED, DEFERRED) or i in in_transit:
                 continue
             domain = domain_of(rcpt.address)
-            name = owner.get(domain, domain)
+            name = self._owner.get(domain, domain)
             if name not in seen:  # a message counts once per destination
                 seen.add(name)
-                deferred.setdefault(name, Counter())[message.klass] += 1
-            if name not in names and rcpt.last_reply:
-                replies.setdefault(name, []).append((rcpt.last_attempt or 0.0, rcpt.last_reply))
-    view = [{**d, "deferred": dict(deferred.pop(d["destination"], {}))} for d in live]
-    for name, counts in deferred.items():
-        last = sorted(set(replies.get(name, [])))[-5:]
-        view.append(
-            {
-                "destination": name,
-                "routed": False,
-                "domains": [name],
-                "queued": {},
-                "deferred": dict(counts),
-                "active": 0,
-                "last_replies": [reply for _, reply in last],
-            }
-        )
-    return sorted(view, key=lambda d: d["destination"])
+                self._deferred.setdefault(name, Counter())[message.klass] += 1
+            if name not in self._names and rcpt.last_reply:
+                self._replies.setdefault(name, []).append(
+                    (rcpt.last_attempt or 0.0, rcpt.last_reply)
+                )
+
+    def entries(self) -> list[dict]:
+        deferred = self._deferred
+        view = [{**d, "deferred": dict(deferred.pop(d["destination"], {}))} for d in self._live]
+        for name, counts in deferred.items():
+            last = sorted(set(self._replies.get(name, [])))[-5:]
+            view.append(
+                {
+                    "destination": name,
+                    "routed": False,
+                    "domains": [name],
+                    "queued": {},
+                    "deferred": dict(counts),
+                    "active": 0,
+                    "last_replies": [reply for _, reply in last],
+                }
+            )
+        return sorted(view, key=lambda d: d["destination"])

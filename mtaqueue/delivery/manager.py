@@ -61,7 +61,8 @@ from ..smtp.client import ClientSettings, SmtpConnection
 from ..spool import statefile
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool, StorageError, StorageFull
-from .destination import Destination, WorkItem, destination_key, destinations_view
+from ..spool.walk import walk
+from .destination import Destination, DestinationsView, WorkItem, destination_key
 from .sender import Sender, Suspended
 
 log = get_logger("delivery")
@@ -993,9 +994,12 @@ class DeliveryManager:
             for d in self.destinations.values()
         ]
 
-    def view(self) -> list[dict]:
+    async def view(self) -> list[dict]:
         """`mtaqueue-ctl domains`: every destination with waiting mail or state to show."""
-        return destinations_view(self.domains(), self.spool.messages.values(), self._busy)
+        view = DestinationsView(self.domains(), self._busy)
+        async for message in walk(self.spool.messages):
+            view.add(message)
+        return view.entries()
 
     def _unqueue(self, predicate: Callable[[WorkItem], bool]) -> None:
         for item in self._core.remove(time.time(), predicate):
