@@ -204,11 +204,7 @@ def test_throttling_cuts_the_learned_rate_without_backoff_mode(provider):
     daemon = provider.daemon('retry.schedule=["1s"]')
     for i in range(3):
         send_class(daemon, "p1", f"t{i}@example.org")
-    throttled = wait_for(
-        lambda: [e for e in events(daemon, "delivery") if e["kind"] == "throttling"],
-        what="a throttling reply",
-    )
-    assert throttled[0]["outcome"] == "transient"
+    wait_for(lambda: events(daemon, "requeued"), what="a throttling reply")
     (learned,) = wait_for(
         lambda: [e for e in events(daemon, "limit_learned") if e["new"] < e["old"]],
         what="the learned rate cut",
@@ -220,6 +216,23 @@ def test_throttling_cuts_the_learned_rate_without_backoff_mode(provider):
     assert dest["learned"]["rate_reply"].startswith("421 4.7.28")
     assert dest["messages_per_minute"] == pytest.approx(dest["learned"]["rate_per_minute"])
     wait_for(lambda: not daemon.messages(), timeout=30, what="delivery after the throttling")
+
+
+def test_throttle_refused_mail_goes_again_after_the_cool_down_uncharged(provider):
+    rate = "421 4.7.28 Our system has detected an unusual rate of mail; temporarily rate limited"
+    provider.mx.on("mail", rate, times=1)
+    daemon = provider.daemon('retry.schedule=["60s"]')  # a charged retry would come too late
+    queue_id = send_class(daemon, "p1", "t@example.org")
+    (requeued,) = wait_for(lambda: events(daemon, "requeued"), what="the throttle refusal")
+    assert requeued["id"] == queue_id and requeued["reason"].startswith("421 4.7.28")
+    assert requeued["refusals"] == 1
+    # Back in the ready queue, not charged: no attempt, no retry step.
+    rcpt = daemon.messages()[queue_id]["recipients"][0]
+    assert rcpt["attempts"] == 0 and rcpt["next_attempt"] is None
+    (delivered,) = wait_for(lambda: events(daemon, "delivery"), timeout=20, what="delivery")
+    assert delivered["outcome"] == "delivered" and delivered["attempt"] == 1
+    mails = [e.time for e in provider.mx.log if e.phase == "mail"]
+    assert len(mails) == 2 and mails[1] - mails[0] >= 4.5  # after the 5 s cool-down
 
 
 def test_restart_with_an_overdue_backlog_sends_p0_first(provider):
