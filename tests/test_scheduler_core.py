@@ -119,6 +119,18 @@ def test_p0_takes_a_reserved_slot_while_bulk_holds_the_others():
     assert sched.slots("d") == (2, 1)
 
 
+def test_p0_goes_on_the_idle_connection_while_bulk_waits_for_a_new_one():
+    sched = scheduler(pacing(max_connections=2, initial_connections=2, reserved_p0=0))
+    (first,) = of(sched.enqueue(T0, "d", "bulk0", "p2"), Connect)
+    sched.connected(T0, first.conn)
+    sched.done(T0 + 1, first.conn, reusable=True, replies=[(OK, classify(OK, ()))])
+    sched.enqueue(T0 + 2, "d", "bulk1", "p2", run=False)
+    sched.enqueue(T0 + 2, "d", "reset", "p0", run=False)
+    actions = sched.tick(T0 + 2)
+    assert of(actions, Send) == [Send(first.conn, "reset")]  # on the wire at once
+    assert [c.item for c in of(actions, Connect)] == ["bulk1"]
+
+
 def test_a_throttle_reply_stops_new_connections_and_idle_ones_close():
     p = pacing(max_connections=4, initial_connections=4, reserved_p0=0)
     sched = scheduler(p)
@@ -208,6 +220,17 @@ class Storm(RuleBasedStateMachine):
     # -- what the core says -------------------------------------------------------------
 
     def apply(self, actions) -> None:
+        # p0 is not put on a new connection (a handshake away) while an open one of its
+        # destination takes bulk in the same decision.
+        connects = {
+            a.destination
+            for a in actions
+            if isinstance(a, Connect) and a.conn not in self.slots and self.klass[a.item] == "p0"
+        }
+        for a in actions:
+            if isinstance(a, Send) and self.slots[a.conn]["state"] == "idle":
+                bulk = self.klass[a.item] != "p0"
+                assert not (bulk and self.slots[a.conn]["destination"] in connects), "p0 behind"
         for action in actions:
             if isinstance(action, Connect):
                 self.connect(action)
@@ -270,7 +293,20 @@ class Storm(RuleBasedStateMachine):
         self.waiting[key][klass] += 1
         self.apply(self.sched.enqueue(self.now, key, item, klass))
 
-    @rule(seconds=st.floats(0, 30))
+    @rule(
+        key=st.sampled_from(["a", "b"]),
+        classes=st.lists(st.sampled_from(["p0", "p2"]), min_size=2, max_size=4),
+    )
+    def enqueue_batch(self, key, classes):
+        """A routed batch, as the driver queues one: then one tick decides."""
+        for klass in classes:
+            item = f"{klass}-{next(self.ids)}"
+            self.klass[item] = klass
+            self.waiting[key][klass] += 1
+            assert self.sched.enqueue(self.now, key, item, klass, run=False) == []
+        self.apply(self.sched.tick(self.now))
+
+    @rule(seconds=st.floats(0, 30) | st.sampled_from([0.5, 1.0, 2.0]))
     def advance(self, seconds):
         self.now += seconds
         self.apply(self.sched.tick(self.now))

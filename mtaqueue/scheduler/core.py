@@ -357,9 +357,9 @@ class Scheduler(Generic[T]):
                     shaper.connected(now)
                     slot.state = CONNECTING
                     actions.append(Connect(slot.id, destination.key, slot.item, slot.first_class))
-        self._open_slots(destination, now, actions, wakes)
-        # Idle connections take what is left; one with nothing to do closes after
-        # connection_idle.
+        # Idle connections take work first (the first class first: it goes on the wire at
+        # once, not after a new connection's handshake); one with nothing to do closes
+        # after connection_idle. New connections open for what is left.
         for slot in [s for s in destination.slots.values() if s.state == IDLE]:
             entry, wait = self._next(destination, now, slot.first_class)
             if entry is not None:
@@ -370,6 +370,7 @@ class Scheduler(Generic[T]):
                 actions.append(Close(slot.id))
             else:
                 wakes.append(slot.until if wait is None else now + wait)
+        self._open_slots(destination, now, actions, wakes)
 
     def _open_slots(
         self, destination: _Destination, now: float, actions: list[Action], wakes: list[float]
