@@ -7,7 +7,7 @@ import time
 
 import pytest
 from e2e_helpers import BODY, FAST, MailNet, events, wait_for
-from smtp_peer import Received
+from smtp_peer import Late, Received
 
 
 class Provider(MailNet):
@@ -288,8 +288,11 @@ def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
         send_class(daemon, "p0", f"reset{i}@example.org")
     for i in range(150):
         send_class(daemon, "p2", f"bulk{i}@example.org")
-    restart_with_delivery(daemon)
     mx = provider.mx
+    # A slow site (0.2 s a message): one connection does not keep up with the rate, so
+    # connections open while the wave waits (an idle one takes the work first).
+    mx.on("data_end", Late(0.2, "250 2.0.0 ok"))
+    restart_with_delivery(daemon)
     mx.wait_for(lambda: len(mx.messages) >= 45, timeout=30)  # the p0 wave and some bulk
     # p0 first (a bulk message or two may overtake the last p0 ones in flight elsewhere).
     order = [m.rcpt_tos[0] for m in mx.messages]

@@ -944,7 +944,8 @@ class DeliveryManager:
         matched = [d for d in self.destinations.values() if name == d.key or name in d.domains]
         for destination in matched:
             apply(destination.shaper, now)
-        self._act(self._core.tick(now))  # idle connections over a lowered limit close
+        # Idle connections over a lowered limit close; a raised one may open more.
+        self._act(self._core.tick(now, *(d.key for d in matched)))
         return len(matched)
 
     def domains(self) -> list[dict]:
