@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mtaqueue.config import DestinationRule, Pacing, ShapingConfig, ThrottleRule
 from mtaqueue.policy.classify import classify
+from mtaqueue.policy.rate_learner import BETA
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.shaper import DestinationShaper, pacing_for
 
@@ -179,7 +180,7 @@ def test_a_throttle_reply_pauses_and_cuts_the_learned_rate_not_backoff_mode():
     report(shaper, 0.0, THROTTLED)
     snap = shaper.snapshot(0.0)
     assert (snap["mode"], snap["learned"]["phase"]) == ("normal", "paused")
-    assert snap["messages_per_minute"] == pytest.approx(0.7 * 0.7 * 120)  # nothing measured
+    assert snap["messages_per_minute"] == pytest.approx(BETA * BETA * 120)  # nothing measured
     assert snap["learned"]["rate_reply"] == THROTTLED.line()
     assert shaper.send_wait(0.0) == pytest.approx(5.0)  # the cool-down, for every connection
     assert shaper.connect_wait(0.0, 0, 0, first_class=True) == pytest.approx(5.0)
