@@ -442,7 +442,9 @@ class Storm(RuleBasedStateMachine):
             if not waiting or shaper.send_wait(self.now) > 0:
                 continue
             here = [s for s in self.slots.values() if s["destination"] == key]
-            assert not any(s["state"] == "idle" for s in here), "an idle connection"
+            p0 = self.waiting[key]["p0"] > 0  # a reserved connection takes only p0
+            takers = [s for s in here if s["state"] == "idle" and (p0 or not s["first_class"])]
+            assert not takers, "an idle connection"
             reserved = sum(s["first_class"] for s in here)
             if len(self.slots) < self.total:
                 wait = shaper.connect_wait(self.now, len(here), reserved, first_class=False)

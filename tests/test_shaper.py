@@ -341,6 +341,20 @@ def test_an_answer_starts_the_failure_count_over():
 # -- latency ---------------------------------------------------------------------------------
 
 
+def test_a_greylisted_wave_grows_the_learned_rate():
+    """A backlog's first attempts are all greylisted: the site answers at our pace, so the
+    slow start goes on (else the whole wave, p0 first, goes out at 2/s)."""
+    shaper = shaper_at()
+    greylisted = Reply("rcpt", 450, "4.2.0", "Recipient address rejected: Greylisted")
+    now = 0.0
+    while now < 4.0:
+        now += shaper.send_wait(now)
+        shaper.sent(now)
+        report(shaper, now, greylisted)
+    assert shaper.snapshot(now)["messages_per_minute"] >= 4 * 120
+    assert shaper.concurrency.limit == 2  # not a delivery for the concurrency
+
+
 def test_silent_throttling_cuts_concurrency():
     shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=8))
     for i in range(5):

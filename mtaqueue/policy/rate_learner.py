@@ -167,7 +167,8 @@ class RateLearner:
         self._round_sent += 1
 
     def delivered(self, now: float, ceiling: float) -> None:
-        """A real 2xx after the data: evidence, and a step of growth when one is due."""
+        """A transaction the site took at our pace (a real 2xx after the data, or a
+        greylisting answer): evidence, and a step of growth when one is due."""
         self._wake(now)
         self._deliveries.append(now)
         while self._deliveries and self._deliveries[0] < now - WINDOW:
