@@ -70,6 +70,15 @@ def test_a_slow_sample_is_a_throttle_signal():
     assert concurrency.limit == 4
 
 
+def test_jitter_on_a_fast_network_is_not_throttling():
+    concurrency = AdaptiveConcurrency(8, 8, latency_factor=3)
+    warm(concurrency, 0.006)  # loopback or a LAN
+    concurrency.latency(0.023)  # four times the baseline: a loaded machine, not the site
+    assert concurrency.limit == 8
+    concurrency.latency(0.5)  # a site that tarpits
+    assert concurrency.limit == 4
+
+
 def test_at_most_one_latency_cut_per_limit_samples():
     concurrency = AdaptiveConcurrency(8, 8, latency_factor=3)
     warm(concurrency)

@@ -140,8 +140,11 @@ def test_a_throttling_greeting_paces_and_suspends_not_the_only_host(start_daemon
         daemon.send("app@sender.test", ["a@example.org"], BODY)
         wait_for(lambda: peer.messages, what="delivery after the refused greeting")
         assert not events(daemon, "host_suspended")
-        (first, *_) = events(daemon, "delivery")
-        assert (first["code"], first["kind"]) == (421, "throttling")
+        # Pacing, not an attempt: back to the ready queue, delivered at the first attempt.
+        (requeued,) = events(daemon, "requeued")
+        assert requeued["reason"] == refusal
+        (delivered,) = wait_for(lambda: events(daemon, "delivery"), what="the delivery event")
+        assert (delivered["outcome"], delivered["attempt"]) == ("delivered", 1)
         (dest,) = [json.loads(line) for line in daemon.ctl("domains", "--json").stdout.splitlines()]
         assert (dest["mode"], dest["circuit"], dest["suspended_hosts"]) == ("normal", "closed", {})
 

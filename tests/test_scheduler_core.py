@@ -124,6 +124,18 @@ def test_p0_takes_a_reserved_slot_while_bulk_holds_the_others():
     assert sched.slots("d") == (2, 1)
 
 
+def test_p0_goes_on_the_idle_connection_while_bulk_waits_for_a_new_one():
+    sched = scheduler(pacing(max_connections=2, initial_connections=2, reserved_p0=0))
+    (first,) = of(sched.enqueue(T0, "d", "bulk0", "p2"), Connect)
+    sched.connected(T0, first.conn)
+    sched.done(T0 + 1, first.conn, reusable=True, replies=[(OK, classify(OK, ()))])
+    sched.enqueue(T0 + 2, "d", "bulk1", "p2", run=False)
+    sched.enqueue(T0 + 2, "d", "reset", "p0", run=False)
+    actions = sched.tick(T0 + 2)
+    assert of(actions, Send) == [Send(first.conn, "reset")]  # on the wire at once
+    assert [c.item for c in of(actions, Connect)] == ["bulk1"]
+
+
 def test_a_throttle_reply_stops_new_connections_and_idle_ones_close():
     p = pacing(max_connections=4, initial_connections=4, reserved_p0=0)
     sched = scheduler(p)
@@ -155,6 +167,28 @@ def test_a_probe_that_closes_the_circuit_releases_what_waited():
     actions = sched.done(T0 + 10, probe.conn, reusable=True, replies=[(OK, classify(OK, ()))])
     assert of(actions, Release) == [Release("d", ("m2", "m3"))]
     assert not of(actions, Send) and sched.waiting("d")["p1"] == 0
+
+
+def test_an_event_looks_only_at_the_destinations_it_touched(monkeypatch):
+    """With many destinations an event costs the work it releases, not a walk over all
+    of them (a million messages to 100,000 domains)."""
+    p = pacing(max_connections=1, initial_connections=1)
+    sched = Scheduler(CLASSES, max_connections=1000, connection_idle=5.0)
+    sends = {}
+    for i in range(300):
+        key = f"d{i}"
+        sched.add_destination(key, DestinationShaper(p, config.ShapingConfig(), T0), p)
+        (connect,) = of(sched.enqueue(T0, key, f"m{i}", "p2"), Connect)
+        sends[key] = of(sched.connected(T0, connect.conn), Send)[0]
+    pumped = []
+    pump = Scheduler._pump
+    monkeypatch.setattr(
+        Scheduler, "_pump", lambda self, d, *rest: (pumped.append(d.key), pump(self, d, *rest))
+    )
+    sched.enqueue(T0 + 1, "d7", "next", "p2", run=False)
+    actions = sched.done(T0 + 1, sends["d7"].conn, reusable=True, replies=[(OK, classify(OK, ()))])
+    assert of(actions, Send) == [Send(sends["d7"].conn, "next")]
+    assert set(pumped) == {"d7"}
 
 
 class Storm(RuleBasedStateMachine):
@@ -210,6 +244,17 @@ class Storm(RuleBasedStateMachine):
     # -- what the core says -------------------------------------------------------------
 
     def apply(self, actions) -> None:
+        # p0 is not put on a new connection (a handshake away) while an open one of its
+        # destination takes bulk in the same decision.
+        connects = {
+            a.destination
+            for a in actions
+            if isinstance(a, Connect) and a.conn not in self.slots and self.klass[a.item] == "p0"
+        }
+        for a in actions:
+            if isinstance(a, Send) and self.slots[a.conn]["state"] == "idle":
+                bulk = self.klass[a.item] != "p0"
+                assert not (bulk and self.slots[a.conn]["destination"] in connects), "p0 behind"
         for action in actions:
             if isinstance(action, Connect):
                 self.connect(action)
@@ -272,7 +317,20 @@ class Storm(RuleBasedStateMachine):
         self.waiting[key][klass] += 1
         self.apply(self.sched.enqueue(self.now, key, item, klass))
 
-    @rule(seconds=st.floats(0, 30))
+    @rule(
+        key=st.sampled_from(["a", "b"]),
+        classes=st.lists(st.sampled_from(["p0", "p2"]), min_size=2, max_size=4),
+    )
+    def enqueue_batch(self, key, classes):
+        """A routed batch, as the driver queues one: then one tick decides."""
+        for klass in classes:
+            item = f"{klass}-{next(self.ids)}"
+            self.klass[item] = klass
+            self.waiting[key][klass] += 1
+            assert self.sched.enqueue(self.now, key, item, klass, run=False) == []
+        self.apply(self.sched.tick(self.now))
+
+    @rule(seconds=st.floats(0, 30) | st.sampled_from([0.5, 1.0, 2.0]))
     def advance(self, seconds):
         self.now += seconds
         self.apply(self.sched.tick(self.now))
@@ -349,7 +407,7 @@ class Storm(RuleBasedStateMachine):
         self.shapers[key].override(
             self.now, rate_per_minute=None, concurrency=concurrency, until=None
         )
-        self.apply(self.sched.tick(self.now))
+        self.apply(self.sched.tick(self.now, key))
 
     # -- what must hold -------------------------------------------------------------------
 
@@ -375,6 +433,24 @@ class Storm(RuleBasedStateMachine):
             for slot in here:
                 if slot["state"] == "idle":
                     assert shaper.keeps(self.now, len(here), reserved, slot["first_class"])
+
+    @invariant()
+    def work_goes_when_it_may(self):
+        """No destination is left out of a decision: one whose pacing would let a message
+        go now has no idle connection, and none could open while a global slot is free
+        (whichever event freed it, at whichever destination)."""
+        for key, shaper in self.shapers.items():
+            waiting = sum(self.waiting[key].values())
+            if not waiting or shaper.send_wait(self.now) > 0:
+                continue
+            here = [s for s in self.slots.values() if s["destination"] == key]
+            p0 = self.waiting[key]["p0"] > 0  # a reserved connection takes only p0
+            takers = [s for s in here if s["state"] == "idle" and (p0 or not s["first_class"])]
+            assert not takers, "an idle connection"
+            reserved = sum(s["first_class"] for s in here)
+            if len(self.slots) < self.total:
+                wait = shaper.connect_wait(self.now, len(here), reserved, first_class=False)
+                assert wait > 0, "work could have had a connection"
 
     @invariant()
     def p0_goes_when_it_may(self):

@@ -28,6 +28,7 @@ from mtaqueue.policy.backoff import RetryPolicy
 from mtaqueue.policy.classify import Verdict, classify
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.settle import (
+    THROTTLE_REQUEUES,
     Result,
     Settlement,
     SettleSettings,
@@ -35,6 +36,7 @@ from mtaqueue.policy.settle import (
     expire_due,
     flushed,
     settle,
+    throttle_refused,
 )
 
 M, H, D = 60.0, 3600.0, 86400.0
@@ -108,6 +110,29 @@ def test_the_replies_classify_as_these_tests_assume():
     assert (classify(GREY).kind, classify(GREY).retry_after) == ("greylisting", None)
     assert (classify(FULL).outcome, classify(FULL).status) == ("transient", "4.2.2")
     assert classify(LOST).outcome == "ambiguous"
+
+
+# -- refused by the site's throttle -------------------------------------------------------------
+
+RATE = Reply("mail", 421, "4.7.28", "unusual rate of mail; temporarily rate limited")
+ANVIL = Reply("mail", 450, "4.7.1", "Error: too much mail from 192.0.2.1")
+BUSY = Reply("banner", 421, "4.7.0", "Error: too many connections from 192.0.2.1")
+MAILBOX_RATE = Reply("rcpt", 450, "4.2.1", "The user is receiving mail at a rate that prevents")
+
+
+def test_throttle_refused_recipients_go_back_uncharged_the_rest_is_settled():
+    results = [got(0, RATE), got(1, OK), got(2, GREY), got(3, ANVIL), got(4, BUSY)]
+    back, settled = throttle_refused(results, 0)
+    assert [r.index for r in back] == [0, 3, 4]
+    # Greylisting keeps its own retry (the window); a mailbox's rate is the mailbox's.
+    assert [r.index for r in settled] == [1, 2]
+    assert throttle_refused([got(0, MAILBOX_RATE)], 0)[0] == []
+
+
+def test_a_message_throttle_refused_too_often_in_a_row_is_charged():
+    results = [got(0, RATE)]
+    assert throttle_refused(results, THROTTLE_REQUEUES - 1)[0] == results
+    assert throttle_refused(results, THROTTLE_REQUEUES) == ([], results)
 
 
 # -- delivered ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mtaqueue.config import DestinationRule, Pacing, ShapingConfig, ThrottleRule
 from mtaqueue.policy.classify import classify
+from mtaqueue.policy.rate_learner import BETA
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.shaper import DestinationShaper, pacing_for
 
@@ -179,7 +180,7 @@ def test_a_throttle_reply_pauses_and_cuts_the_learned_rate_not_backoff_mode():
     report(shaper, 0.0, THROTTLED)
     snap = shaper.snapshot(0.0)
     assert (snap["mode"], snap["learned"]["phase"]) == ("normal", "paused")
-    assert snap["messages_per_minute"] == pytest.approx(0.7 * 0.7 * 120)  # nothing measured
+    assert snap["messages_per_minute"] == pytest.approx(BETA * BETA * 120)  # nothing measured
     assert snap["learned"]["rate_reply"] == THROTTLED.line()
     assert shaper.send_wait(0.0) == pytest.approx(5.0)  # the cool-down, for every connection
     assert shaper.connect_wait(0.0, 0, 0, first_class=True) == pytest.approx(5.0)
@@ -356,6 +357,20 @@ def test_an_answer_starts_the_failure_count_over():
 
 
 # -- latency ---------------------------------------------------------------------------------
+
+
+def test_a_greylisted_wave_grows_the_learned_rate():
+    """A backlog's first attempts are all greylisted: the site answers at our pace, so the
+    slow start goes on (else the whole wave, p0 first, goes out at 2/s)."""
+    shaper = shaper_at()
+    greylisted = Reply("rcpt", 450, "4.2.0", "Recipient address rejected: Greylisted")
+    now = 0.0
+    while now < 4.0:
+        now += shaper.send_wait(now)
+        shaper.sent(now)
+        report(shaper, now, greylisted)
+    assert shaper.snapshot(now)["messages_per_minute"] >= 4 * 120
+    assert shaper.concurrency.limit == 2  # not a delivery for the concurrency
 
 
 def test_silent_throttling_cuts_concurrency():

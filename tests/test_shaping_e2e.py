@@ -7,7 +7,7 @@ import time
 
 import pytest
 from e2e_helpers import BODY, FAST, MailNet, events, wait_for
-from smtp_peer import Received
+from smtp_peer import Late, Received
 
 # One connection, any class may use it: the order of delivery is the queue's order.
 ONE_CONNECTION = (
@@ -222,11 +222,7 @@ def test_throttling_cuts_the_learned_rate_without_backoff_mode(provider):
     )
     daemon = provider.daemon('retry.schedule=["1s"]')
     send_many(daemon, "p1", "t", 3)
-    throttled = wait_for(
-        lambda: [e for e in events(daemon, "delivery") if e["kind"] == "throttling"],
-        what="a throttling reply",
-    )
-    assert throttled[0]["outcome"] == "transient"
+    wait_for(lambda: events(daemon, "requeued"), what="a throttling reply")
     (learned,) = wait_for(
         lambda: [e for e in events(daemon, "limit_learned") if e["new"] < e["old"]],
         what="the learned rate cut",
@@ -238,6 +234,23 @@ def test_throttling_cuts_the_learned_rate_without_backoff_mode(provider):
     assert dest["learned"]["rate_reply"].startswith("421 4.7.28")
     assert dest["messages_per_minute"] == pytest.approx(dest["learned"]["rate_per_minute"])
     wait_for(lambda: not daemon.messages(), timeout=30, what="delivery after the throttling")
+
+
+def test_throttle_refused_mail_goes_again_after_the_cool_down_uncharged(provider):
+    rate = "421 4.7.28 Our system has detected an unusual rate of mail; temporarily rate limited"
+    provider.mx.on("mail", rate, times=1)
+    daemon = provider.daemon('retry.schedule=["60s"]')  # a charged retry would come too late
+    queue_id = send_class(daemon, "p1", "t@example.org")
+    (requeued,) = wait_for(lambda: events(daemon, "requeued"), what="the throttle refusal")
+    assert requeued["id"] == queue_id and requeued["reason"].startswith("421 4.7.28")
+    assert requeued["refusals"] == 1
+    # Back in the ready queue, not charged: no attempt, no retry step.
+    rcpt = daemon.messages()[queue_id]["recipients"][0]
+    assert rcpt["attempts"] == 0 and rcpt["next_attempt"] is None
+    (delivered,) = wait_for(lambda: events(daemon, "delivery"), timeout=20, what="delivery")
+    assert delivered["outcome"] == "delivered" and delivered["attempt"] == 1
+    mails = [e.time for e in provider.mx.log if e.phase == "mail"]
+    assert len(mails) == 2 and mails[1] - mails[0] >= 4.5  # after the 5 s cool-down
 
 
 def test_restart_with_an_overdue_backlog_sends_p0_first(provider):
@@ -275,8 +288,11 @@ def test_a_lowered_limit_closes_connections_and_bulk_keeps_moving(provider):
     )
     send_many(daemon, "p0", "reset", 30)
     send_many(daemon, "p2", "bulk", 150)
-    restart_with_delivery(daemon)
     mx = provider.mx
+    # A slow site (0.2 s a message): one connection does not keep up with the rate, so
+    # connections open while the wave waits (an idle one takes the work first).
+    mx.on("data_end", Late(0.2, "250 2.0.0 ok"))
+    restart_with_delivery(daemon)
     mx.wait_for(lambda: len(mx.messages) >= 45, timeout=30)  # the p0 wave and some bulk
     # p0 first (a bulk message or two may overtake the last p0 ones in flight elsewhere).
     order = [m.rcpt_tos[0] for m in mx.messages]

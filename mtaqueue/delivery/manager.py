@@ -41,6 +41,7 @@ from ..policy.settle import (
     expire_due,
     flushed,
     settle,
+    throttle_refused,
 )
 from ..policy.shaper import DestinationShaper, ShaperState, pacing_for
 from ..routing.nexthop import NextHop, next_hop
@@ -119,6 +120,7 @@ class DeliveryManager:
         self._busy: dict[str, set[int]] = {}  # message id -> recipients routed/queued/in transit
         self._admitted: set[str] = set()  # overdue at start, let in, not yet dispatched
         self._waits: dict[str, int] = {}  # message id -> internal waits since its last attempt
+        self._refusals: dict[str, int] = {}  # message id -> throttle refusals in a row
         self._tasks: set[asyncio.Future] = set()
         self._closing = False
         # What destinations taught (rate_learner.Learned by destination key): loaded at
@@ -267,7 +269,9 @@ class DeliveryManager:
         self._act(self._core.tick(time.time()))
 
     def _act(self, actions: list[Action]) -> None:
-        """Do what the core decided."""
+        """Do what the core decided (and what it decides meanwhile, after: its last Wake
+        is the one that holds)."""
+        actions = list(actions)
         for action in actions:
             if isinstance(action, Wake):
                 if self._timer is not None:
@@ -291,7 +295,7 @@ class DeliveryManager:
                 if link is not None:
                     self._retire(link.destination)
             elif isinstance(action, GiveUp):
-                self._give_up(action.conn)
+                actions += self._give_up(action.conn)
             elif isinstance(action, Release):
                 self._release(action)
 
@@ -553,17 +557,20 @@ class DeliveryManager:
         self._changed_since(link.destination, before, now, actions)
         self._act(actions)
 
-    def _give_up(self, conn: int) -> None:
+    def _give_up(self, conn: int) -> list[Action]:
         """No further host for this item now: it is settled with the last connect failure
-        (a failed attempt, as when every host failed)."""
+        (a failed attempt, as when every host failed), or goes back to the ready queue if
+        that was the site's throttle: then what the core does next."""
         link = self._links.pop(conn)
         item, destination = link.item, link.destination
         assert item is not None
         reply = link.failures[-1].reply
         host = link.failures[-1].remote_mta
         results = [self.sender.result(i, reply, host, None) for i in item.indexes]
-        self._settle_item(destination, item, results, time.time())
+        now = time.time()
+        requeued = self._settle_item(destination, item, results, now)
         self._retire(destination)
+        return self._core.tick(now) if requeued else []
 
     def _suspended(self, destination: Destination, item: WorkItem, wait: Suspended) -> None:
         """Every host is suspended: an internal wait, not an attempt, once; suspended
@@ -740,15 +747,36 @@ class DeliveryManager:
 
     # -- after an attempt -----------------------------------------------------------------
 
-    def _settle_item(self, destination: Destination, item: WorkItem, results, now: float) -> None:
-        """Settle a work item's attempt, its retries scaled by the destination's mode."""
-        self._finish(
-            item.message_id,
-            item.indexes,
-            results,
-            retry_factor=destination.shaper.retry_factor(now),
-            destination=destination.key,
-        )
+    def _settle_item(self, destination: Destination, item: WorkItem, results, now: float) -> bool:
+        """Settle a work item's attempt, its retries scaled by the destination's mode.
+        Recipients refused by the site's throttle go back to the destination's ready queue
+        uncharged (policy/settle.py `throttle_refused`), behind the cool-down that the
+        core's next event starts (the caller reports the replies to it next): whether any
+        did."""
+        refusals = self._refusals.get(item.message_id, 0)
+        back, results = throttle_refused(results, refusals)
+        if results:
+            self._finish(
+                item.message_id,
+                [r.index for r in results],
+                results,
+                retry_factor=destination.shaper.retry_factor(now),
+                destination=destination.key,
+            )
+        if back:
+            self._refusals[item.message_id] = refusals + 1
+            indexes = [r.index for r in back]
+            log.info(
+                "requeued",
+                id=item.message_id,
+                destination=destination.key,
+                rcpts=len(indexes),
+                refusals=refusals + 1,
+                reason=back[0].reply.line(),
+            )
+            again = WorkItem(item.message_id, indexes, item.route, item.klass, item.tenant)
+            self._core.enqueue(now, destination.key, again, item.klass, item.tenant, run=False)
+        return bool(back)
 
     def _finish(
         self,
@@ -761,6 +789,7 @@ class DeliveryManager:
     ) -> None:
         self._unbusy(message_id, indexes)
         self._waits.pop(message_id, None)  # an attempt: internal waits count from here
+        self._refusals.pop(message_id, None)  # ... and throttle refusals in a row
         message = self.spool.messages.get(message_id)
         if message is None:
             return
@@ -804,6 +833,7 @@ class DeliveryManager:
         if settlement.finished and not self._busy.get(message.id):
             self._busy.pop(message.id, None)
             self._waits.pop(message.id, None)
+            self._refusals.pop(message.id, None)
             if not notices:
                 self._journal(self.spool.remove(message.id, "done"), message.id)
                 return
@@ -930,6 +960,7 @@ class DeliveryManager:
         for message in messages:
             self._busy.pop(message.id, None)
             self._waits.pop(message.id, None)
+            self._refusals.pop(message.id, None)
             self._journal(self.spool.remove(message.id, "deleted by operator"), message.id)
             log.info("deleted", id=message.id, sender=message.sender)
         return len(ids)
@@ -981,7 +1012,8 @@ class DeliveryManager:
         matched = [d for d in self.destinations.values() if name == d.key or name in d.domains]
         for destination in matched:
             apply(destination.shaper, now)
-        self._act(self._core.tick(now))  # idle connections over a lowered limit close
+        # Idle connections over a lowered limit close; a raised one may open more.
+        self._act(self._core.tick(now, *(d.key for d in matched)))
         return len(matched)
 
     def domains(self) -> list[dict]:

@@ -7,8 +7,9 @@ The limit starts low and grows by one after `limit` successes at the current lev
 Some servers throttle silently: they accept, only slower. Each latency sample (connect,
 greeting or reply time; the caller feeds one kind consistently) is compared with an EWMA
 baseline of the destination's own recent samples; after a short warm-up, a sample above
-`latency_factor` times the baseline is a throttle signal. All `limit` connections in flight
-see the same slowdown, so at most one cut is made per `limit` samples.
+`latency_factor` times the baseline, and at least `LATENCY_FLOOR` over it, is a throttle
+signal (on a fast network a loaded machine's jitter triples a 6 ms baseline). All `limit`
+connections in flight see the same slowdown, so at most one cut is made per `limit` samples.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ _WARMUP = 5  # samples averaged into the first baseline before any is judged
 # so a slowdown stays visible for dozens of samples but a lasting change of the destination
 # becomes its new normal instead of pinning the limit at 1 for good.
 _ALPHA = 0.02
+LATENCY_FLOOR = 0.1  # seconds over the baseline before a slow sample counts
 
 
 class AdaptiveConcurrency:
@@ -53,7 +55,8 @@ class AdaptiveConcurrency:
             return
         ceiling = self.latency_factor * self.baseline
         self._quiet -= 1
-        if seconds > ceiling and self._quiet <= 0:
+        slow = seconds > ceiling and seconds > self.baseline + LATENCY_FLOOR
+        if slow and self._quiet <= 0:
             self._quiet = self.limit  # the connections in flight now, all slowed alike
             self.throttled()
         self.baseline += _ALPHA * (min(seconds, ceiling) - self.baseline)

@@ -44,10 +44,10 @@ SLOW_START = 2.0  # no history: 120/min, polite to a small server, ramps fast
 MIN_RATE = 1 / 60  # a throttle never stops a destination for good: one a minute
 ROUND = 1.0  # growth step of slow start and recovery
 USED = 0.5  # share of a round's allowance sent, for it to count as evidence
-BETA = 0.7  # new rate after a signal, of the acceptance measured before it
+BETA = 0.8  # new rate after a signal, of the acceptance measured before it
 WINDOW = 5.0  # behind the acceptance measurement
 RECOVER = 1.25  # per round while under NEAR x good
-NEAR = 0.85
+NEAR = 0.9  # (with BETA: a fixed-window limiter, anvil's, is used to ~80%, not ~60%)
 PROBE_STEP = 0.01  # of the good rate, per step above NEAR x good
 PROBE_EVERY = 30  # deliveries per probe step, and
 PROBE_SECONDS = 2.0  # seconds per probe step (both times the patience); but a slow
@@ -167,7 +167,8 @@ class RateLearner:
         self._round_sent += 1
 
     def delivered(self, now: float, ceiling: float) -> None:
-        """A real 2xx after the data: evidence, and a step of growth when one is due."""
+        """A transaction the site took at our pace (a real 2xx after the data, or a
+        greylisting answer): evidence, and a step of growth when one is due."""
         self._wake(now)
         self._deliveries.append(now)
         while self._deliveries and self._deliveries[0] < now - WINDOW:

@@ -26,8 +26,13 @@ from ..model import (
     Recipient,
 )
 from .backoff import RetryPolicy, expires_before, expiry, next_attempt
-from .classify import Verdict
+from .classify import RECIPIENT, THROTTLING, TRANSIENT, Verdict
 from .replies import Reply
+
+# Times in a row a message refused by its destination's throttle goes back to the ready
+# queue uncharged; the next refusal is an attempt (the retry schedule, expiry), so that a
+# site that refuses one message for ever cannot hold it without a trace.
+THROTTLE_REQUEUES = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +127,26 @@ def settle(
     statuses = {r.index: r.verdict.status for r in results if r.verdict.status}
     _delay_notices(out, now, settings, statuses)
     return out
+
+
+def throttle_refused(results: list[Result], refusals: int) -> tuple[list[Result], list[Result]]:
+    """Split an attempt's results into (those of recipients to put back in the
+    destination's ready queue, uncharged; those to settle). A site's throttle reply
+    (421 4.7.28, "too much mail", a 421 greeting "too many connections": classify's
+    throttling of the site, not a mailbox's) refused our pace, not the message: it goes
+    again when the cool-down ends and the learned rate allows (KumoMTA's re-insert to the
+    ready queue), unless it was refused `refusals` >= THROTTLE_REQUEUES times in a row
+    already. Greylisting is not throttling: it keeps its retry (the greylist window)."""
+    if refusals >= THROTTLE_REQUEUES:
+        return [], results
+    back = [r for r in results if _site_throttle(r.verdict)]
+    return back, [r for r in results if not _site_throttle(r.verdict)]
+
+
+def _site_throttle(verdict: Verdict) -> bool:
+    return (
+        verdict.outcome == TRANSIENT and verdict.kind == THROTTLING and verdict.scope != RECIPIENT
+    )
 
 
 def flushed(rcpt: Recipient, now: float, greylist_min: float) -> Recipient:

@@ -26,7 +26,10 @@ intervals are scaled by the backoff factors to the power s (ceiling floor 1).
 
 Feedback rules (`result`):
 - Delivered (a real 2xx, not a lost reply taken as delivered): a success for
-  concurrency, backoff mode, breaker and the learned rate.
+  concurrency, backoff mode, breaker and the learned rate. A greylisting reply is one for
+  the learned rate too: the site took the transaction at our pace (its rate limiter,
+  Postfix's anvil, counts it), so a backlog's greylisted first wave (p0 first) grows the
+  rate instead of going out at the slow start's 2/s.
 - Throttling: a reply classified as throttling for the site (recipient-scoped throttling,
   such as Gmail's per-mailbox 4.2.1, is that mailbox's business), or a throttle rule's
   threshold reached, or latency far over the baseline: a throttle signal for the learned
@@ -53,7 +56,7 @@ from dataclasses import dataclass
 from .. import config
 from .breaker import CLOSED, HALF_OPEN, CircuitBreaker
 from .buckets import TokenBucket
-from .classify import DELIVERED, PERMANENT, RECIPIENT, THROTTLING, Verdict
+from .classify import DELIVERED, GREYLISTING, PERMANENT, RECIPIENT, THROTTLING, Verdict
 from .concurrency import AdaptiveConcurrency
 from .rate_learner import PROBING, SLOW_STARTING, Change, Learned, RateLearner
 from .replies import PHASES, Reply
@@ -313,6 +316,8 @@ class DestinationShaper:
         elif _connection_failure(reply, verdict):
             self.connect_failed(now)
         elif reply.code:
+            if verdict.kind == GREYLISTING:  # the site took our pace (anvil counts it too)
+                self.learner.delivered(now, self._rate_ceiling())
             self._answered(now)
 
     def _throttled(self, now: float, reply: Reply, active: int) -> None:

@@ -151,10 +151,16 @@ class Scheduler(Generic[T]):
         self._destinations: dict[str, _Destination] = {}
         self._slots: dict[int, _Slot] = {}
         self._ids = itertools.count(1)
-        self._heap: list[tuple[float, int, str]] = []
+        self._heap: list[tuple[float, int, str]] = []  # (due, seq, message id)
         self._seq = itertools.count()
-        self._ended = 0  # slots ended so far
-        self._paced: float | None = None  # the pacing's earliest wake at the last event
+        # An event looks only at the destinations it touched and those whose time came:
+        # each destination's next wake is in a heap (an entry is stale once `_timer_of`
+        # moved on), and those that wait for a global connection slot (max_connections
+        # reached) are queued, the first class apart, to be served as slots end.
+        self._dirty: set[str] = set()
+        self._timers: list[tuple[float, int, str]] = []  # (at, seq, destination)
+        self._timer_of: dict[str, tuple[float, int]] = {}
+        self._starved: dict[bool, dict[str, None]] = {True: {}, False: {}}  # ordered sets
 
     # -- events ------------------------------------------------------------------------
 
@@ -166,6 +172,7 @@ class Scheduler(Generic[T]):
             self._destinations[key] = _Destination(key, shaper, pacing, FairQueue(self.classes))
         else:
             known.shaper, known.pacing = shaper, pacing
+        self._dirty.add(key)
 
     def forget(self, key: str) -> bool:
         """Drop a destination with no slots and nothing waiting; whether it was dropped."""
@@ -173,6 +180,10 @@ class Scheduler(Generic[T]):
         if destination is None or destination.slots or len(destination.queue):
             return False
         del self._destinations[key]
+        self._dirty.discard(key)
+        self._timer_of.pop(key, None)
+        for starved in self._starved.values():
+            starved.pop(key, None)
         return True
 
     def reclassify(self, classes: dict[str, tuple[int, int]]) -> None:
@@ -186,6 +197,7 @@ class Scheduler(Generic[T]):
             for item, klass, tenant in entries:
                 klass = klass if klass in classes else self.first_class
                 destination.queue.push((item, klass, tenant), klass, tenant)
+            self._dirty.add(destination.key)
 
     def schedule(self, now: float, message_id: str, due: float) -> list[Action]:
         """Make a message due at `due`. It is dispatched by the `tick` at or after it,
@@ -194,9 +206,13 @@ class Scheduler(Generic[T]):
         heapq.heappush(self._heap, (due, next(self._seq), message_id))
         if self._heap[0][2] != message_id:
             return []
-        return [Wake(due if self._paced is None else min(due, self._paced))]
+        paced = self._next_timer()
+        return [Wake(due if paced is None else min(due, paced))]
 
-    def tick(self, now: float) -> list[Action]:
+    def tick(self, now: float, *keys: str) -> list[Action]:
+        """The timer, or `keys`: destinations whose pacing changed outside an event (an
+        operator's limit) to look at now."""
+        self._dirty.update(keys)
         return self._run(now)
 
     def enqueue(
@@ -214,11 +230,13 @@ class Scheduler(Generic[T]):
         (the first class first, tenants in turn) decides what goes first."""
         klass = klass if klass in self.classes else self.first_class
         self._destinations[key].queue.push((item, klass, tenant), klass, tenant)
+        self._dirty.add(key)
         return self._run(now) if run else []
 
     def connected(self, now: float, conn: int, latency: float | None = None) -> list[Action]:
         slot = self._slots[conn]
         shaper = self._destinations[slot.destination].shaper
+        self._dirty.add(slot.destination)
         if latency is not None:
             shaper.latency(now, latency)
         slot.state = SENDING  # the item of the Connect goes now
@@ -239,6 +257,7 @@ class Scheduler(Generic[T]):
         slot = self._slots[conn]
         destination = self._destinations[slot.destination]
         shaper = destination.shaper
+        self._dirty.add(destination.key)
         if reply is None or verdict is None:
             shaper.connect_failed(now)
         else:  # this slot counted: refused as one too many, the others are what worked
@@ -262,6 +281,7 @@ class Scheduler(Generic[T]):
         driver; `reusable`: the connection can take another; `replies`: what it got."""
         slot = self._slots[conn]
         destination = self._destinations[slot.destination]
+        self._dirty.add(destination.key)
         probing = destination.shaper.state(now).circuit == HALF_OPEN
         seen: set[int] = set()
         for reply, verdict in replies:  # one signal per reply, not per recipient
@@ -285,7 +305,9 @@ class Scheduler(Generic[T]):
     def abandon(self, now: float, conn: int) -> list[Action]:
         """The driver did not open the connection of a `Connect` (every host suspended,
         say): the slot ends without feedback; the item is the driver's to deal with."""
-        self._end(self._slots[conn])
+        slot = self._slots[conn]
+        self._dirty.add(slot.destination)
+        self._end(slot)
         return self._run(now)
 
     def remove(self, now: float, predicate: Callable[[T], bool], key: str | None = None) -> list[T]:
@@ -311,33 +333,63 @@ class Scheduler(Generic[T]):
     # -- the one place that permits ----------------------------------------------------
 
     def _run(self, now: float) -> list[Action]:
+        """O(log n) and the work released: the destinations an event touched, those whose
+        wake came, and those waiting for a global slot while there is one."""
         actions: list[Action] = []
-        wakes: list[float] = []
         due: list[str] = []
         while self._heap and self._heap[0][0] <= now:
             due.append(heapq.heappop(self._heap)[2])
         if due:
             actions.append(Dispatch(tuple(due)))
-        # Destinations with first-class work first: they get the global slots first. A
-        # slot that ended in a pass frees a global slot: pass again.
-        order = sorted(self._destinations.values(), key=lambda d: not d.queue.first_class_waiting())
-        while True:
-            ended = self._ended
-            for destination in order:
-                self._pump(destination, now, actions, wakes)
-            if self._ended == ended:
-                break
-        self._paced = min(wakes, default=None)
-        if self._heap:
-            wakes.append(self._heap[0][0])
+        keys, self._dirty = self._dirty, set()
+        while self._timers and self._timers[0][0] <= now:
+            at, seq, key = heapq.heappop(self._timers)
+            if self._timer_of.get(key) == (at, seq):
+                del self._timer_of[key]
+                keys.add(key)
+        # Destinations with first-class work first: they get the global slots first,
+        # before those waiting for one without it.
+        touched = [self._destinations[key] for key in sorted(keys) if key in self._destinations]
+        first = [d for d in touched if d.queue.first_class_waiting()]
+        rest = [d for d in touched if not d.queue.first_class_waiting()]
+        for destination in first:
+            self._pump(destination, now, actions)
+        self._fill(now, actions, first_class_only=True)
+        for destination in rest:
+            self._pump(destination, now, actions)
+        self._fill(now, actions, first_class_only=False)
+        wakes = [
+            at
+            for at in (self._next_timer(), self._heap[0][0] if self._heap else None)
+            if at is not None
+        ]
         if wakes:
             actions.append(Wake(min(wakes)))
         return actions
 
-    def _pump(
-        self, destination: _Destination, now: float, actions: list[Action], wakes: list[float]
-    ) -> None:
+    def _fill(self, now: float, actions: list[Action], *, first_class_only: bool) -> None:
+        """Serve the destinations waiting for a global slot while there is one: first-class
+        work first, then in turn."""
+        for first_class in (True,) if first_class_only else (True, False):
+            starved = self._starved[first_class]
+            while starved and len(self._slots) < self.max_connections:
+                key = next(iter(starved))
+                del starved[key]
+                self._pump(self._destinations[key], now, actions)
+
+    def _next_timer(self) -> float | None:
+        """The earliest destination wake (stale heap entries dropped)."""
+        timers = self._timers
+        while timers and self._timer_of.get(timers[0][2]) != timers[0][:2]:
+            heapq.heappop(timers)
+        return timers[0][0] if timers else None
+
+    def _pump(self, destination: _Destination, now: float, actions: list[Action]) -> None:
+        """Everything destination may do now; its next wake goes in the heap."""
         shaper = destination.shaper
+        wakes: list[float] = []
+        for starved in self._starved.values():
+            starved.pop(destination.key, None)
         # Idle connections no longer admitted close; a failed connect tries the next host.
         for slot in list(destination.slots.values()):
             active, reserved = destination.counts()
@@ -357,9 +409,9 @@ class Scheduler(Generic[T]):
                     shaper.connected(now)
                     slot.state = CONNECTING
                     actions.append(Connect(slot.id, destination.key, slot.item, slot.first_class))
-        self._open_slots(destination, now, actions, wakes)
-        # Idle connections take what is left; one with nothing to do closes after
-        # connection_idle.
+        # Idle connections take work first (the first class first: it goes on the wire at
+        # once, not after a new connection's handshake); one with nothing to do closes
+        # after connection_idle. New connections open for what is left.
         for slot in [s for s in destination.slots.values() if s.state == IDLE]:
             entry, wait = self._next(destination, now, slot.first_class)
             if entry is not None:
@@ -370,6 +422,16 @@ class Scheduler(Generic[T]):
                 actions.append(Close(slot.id))
             else:
                 wakes.append(slot.until if wait is None else now + wait)
+        self._open_slots(destination, now, actions, wakes)
+        key = destination.key
+        if wakes:
+            at = min(wakes)
+            if self._timer_of.get(key, (None,))[0] != at:
+                entry = (at, next(self._seq))
+                self._timer_of[key] = entry
+                heapq.heappush(self._timers, (*entry, key))
+        else:
+            self._timer_of.pop(key, None)
 
     def _open_slots(
         self, destination: _Destination, now: float, actions: list[Action], wakes: list[float]
@@ -377,13 +439,16 @@ class Scheduler(Generic[T]):
         """New slots while more work waits than the idle connections take: up to the
         limit with a backlog, as an MTA does (the concurrency limit grows only so)."""
         shaper, queue = destination.shaper, destination.queue
-        while len(self._slots) < self.max_connections:
+        while True:
             first_waiting = queue.first_class_waiting()
             takers = sum(
                 s.state == IDLE and (not s.first_class or first_waiting)
                 for s in destination.slots.values()
             )
             if len(queue) <= takers:
+                return
+            if len(self._slots) >= self.max_connections:  # served when one ends
+                self._starved[first_waiting][destination.key] = None
                 return
             active, reserved = destination.counts()
             wait = shaper.connect_wait(now, active, reserved, first_class=False)
@@ -442,6 +507,5 @@ class Scheduler(Generic[T]):
         return bucket
 
     def _end(self, slot: _Slot) -> None:
-        self._ended += 1
         self._slots.pop(slot.id, None)
         self._destinations[slot.destination].slots.pop(slot.id, None)
