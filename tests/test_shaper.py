@@ -16,7 +16,7 @@ from mtaqueue.config import DestinationRule, Pacing, ShapingConfig, ThrottleRule
 from mtaqueue.policy.classify import classify
 from mtaqueue.policy.rate_learner import BETA
 from mtaqueue.policy.replies import Reply
-from mtaqueue.policy.shaper import DestinationShaper, pacing_for
+from mtaqueue.policy.shaper import DestinationShaper, pacing_for, stated_rate
 
 # A small, quick destination: 4 connections at most, 2 to start, one reserved for p0.
 PACING = Pacing(max_connections=4, initial_connections=2, reserved_p0=1)
@@ -308,6 +308,31 @@ def test_forgetting_lifts_a_learned_cap_and_rate_but_not_the_operators_limit():
     assert snap["messages_per_minute"] == pytest.approx(120)  # the slow start, under
     assert snap["override"]["rate_per_minute"] == 300  # the operator's ceiling, kept
     assert shaper.learned().good == 0 and shaper.learned().rate_reply == ""
+
+
+def test_a_rate_stated_for_a_destination_is_where_it_starts_the_default_only_caps():
+    # An admin who names a provider's rate knows it (the admin-paced storm); the default
+    # table's rate says nothing of any one provider: slow start under it.
+    shaping = msgspec.structs.replace(
+        SHAPING,
+        default=Pacing(messages_per_minute=600),
+        destinations=[DestinationRule(mx_suffix=".provider.test", messages_per_minute=6000)],
+    )
+    hosts = ["mx1.provider.test"]
+    assert stated_rate(shaping, "example.org", hosts) == 6000
+    assert stated_rate(shaping, "other.test", ["mx.other.test"]) == 0
+    stated = DestinationShaper(
+        pacing_for(shaping, "example.org", hosts), shaping, 0.0, stated_rate=6000
+    )
+    snap = stated.snapshot(0.0)
+    assert snap["messages_per_minute"] == pytest.approx(6000)
+    assert snap["learned"]["phase"] == "at-ceiling"
+    default = DestinationShaper(pacing_for(shaping, "other.test", ["mx.other.test"]), shaping, 0.0)
+    assert default.snapshot(0.0)["messages_per_minute"] == pytest.approx(120)  # slow start
+    report(stated, 1.0, THROTTLED)  # a throttle signal still cuts it
+    assert stated.snapshot(1.0)["learned"]["phase"] == "paused"
+    stated.forget(2.0)  # and forgetting starts at the stated rate again
+    assert stated.snapshot(2.0)["messages_per_minute"] == pytest.approx(6000)
 
 
 def test_a_throttle_rule_hit_is_a_throttle_signal():

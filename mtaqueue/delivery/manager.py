@@ -43,7 +43,7 @@ from ..policy.settle import (
     settle,
     throttle_refused,
 )
-from ..policy.shaper import DestinationShaper, ShaperState, pacing_for
+from ..policy.shaper import DestinationShaper, ShaperState, pacing_for, stated_rate
 from ..routing.nexthop import NextHop, next_hop
 from ..routing.resolver import Resolver, Route, RouteFailure
 from ..scheduler.core import (
@@ -178,7 +178,13 @@ class DeliveryManager:
         if pacing != destination.pacing:
             destination.pacing = pacing
             learned = destination.shaper.learned()
-            destination.shaper = DestinationShaper(pacing, self.cfg.shaping, now, learned)
+            destination.shaper = DestinationShaper(
+                pacing,
+                self.cfg.shaping,
+                now,
+                learned,
+                stated_rate=stated_rate(self.cfg.shaping, domain, hosts),
+            )
             self._core.add_destination(destination.key, destination.shaper, pacing)
 
     @property
@@ -493,8 +499,15 @@ class DeliveryManager:
 
     def _new_destination(self, key: str, domain: str, route, now: float) -> Destination:
         shaping = self.cfg.shaping
-        pacing = pacing_for(shaping, domain, [h.name for h in route.hosts])
-        shaper = DestinationShaper(pacing, shaping, now, self._learned.get(key))
+        hosts = [h.name for h in route.hosts]
+        pacing = pacing_for(shaping, domain, hosts)
+        shaper = DestinationShaper(
+            pacing,
+            shaping,
+            now,
+            self._learned.get(key),
+            stated_rate=stated_rate(shaping, domain, hosts),
+        )
         destination = Destination(key, pacing, shaper)
         for name in (key, domain):
             if name in self._overrides:

@@ -4,9 +4,10 @@ Nobody tells us Gmail's or a small provider's limits, so each destination's rate
 the way TCP finds a path's capacity (AIMD with slow start), with the reply that taught it
 kept for people:
 
-- Slow start: a destination with no history starts at SLOW_START messages a second and
-  doubles each ROUND in which it was sent at least USED of what the rate allowed (an
-  idle destination proves nothing, so it does not grow).
+- Slow start: a destination with no history starts at SLOW_START messages a second (or
+  at the rate an admin stated for it, if higher) and doubles each ROUND in which it was
+  sent at least USED of what the rate allowed (an idle destination proves nothing, so it
+  does not grow).
 - A throttle signal (the shaper decides what is one: 421, 4.7.28, "too much mail",
   rising latency...) pauses all sending to the destination for a cool-down, and the rate
   becomes BETA times the acceptance measured over the WINDOW just before it (never more
@@ -116,10 +117,12 @@ def kept(learned: Learned, now: float) -> bool:
 
 
 class RateLearner:
-    def __init__(self, now: float, learned: Learned | None = None) -> None:
+    def __init__(self, now: float, learned: Learned | None = None, *, start: float = 0.0) -> None:
+        """`start`: the rate (messages a second) to begin at without history, if more than
+        SLOW_START (an admin's stated rate for this destination)."""
         learned = decayed(learned, now) if learned is not None else None
         if learned is None:
-            learned = Learned(SLOW_START, at=now)
+            learned = Learned(max(SLOW_START, start), at=now)
         self.rate = learned.rate
         self.good = learned.good
         self.rate_reply = learned.rate_reply

@@ -95,6 +95,8 @@ class DestinationShaper:
         shaping: config.ShapingConfig,
         now: float,
         learned: Learned | None = None,
+        *,
+        stated_rate: float = 0.0,
     ) -> None:
         self.pacing = pacing
         self.release_spread = float(shaping.release_spread)
@@ -119,7 +121,8 @@ class DestinationShaper:
         self._connections = TokenBucket(pacing.connections_per_minute / 60, pacing.burst, now)
         self._messages = TokenBucket(pacing.messages_per_minute / 60, pacing.burst, now)
         self._override: _Override | None = None
-        self.learner = RateLearner(now, learned)
+        self._start = stated_rate / 60  # where the learner begins without history
+        self.learner = RateLearner(now, learned, start=self._start)
 
     # -- admission ---------------------------------------------------------------------
 
@@ -232,7 +235,7 @@ class DestinationShaper:
     def forget(self, now: float) -> None:
         """Learn the destination anew from the slow start (mtaqueue-ctl forget): its rate,
         the limit it taught and its connection cap. Operator limits and backoff stay."""
-        self.learner = RateLearner(now)
+        self.learner = RateLearner(now, start=self._start)
         self._apply(now)
 
     def state(self, now: float) -> ShaperState:
@@ -381,14 +384,30 @@ def pacing_for(
     Names compare without case or a trailing dot. A suffix with a leading dot
     (".google.com") matches by the end of the name; one without ("google.com") matches
     that name and its subdomains, not "notgoogle.com"."""
+    rule = _rule_for(shaping, domain, mx_hosts)
+    return rule.over(shaping.default) if rule else shaping.default
+
+
+def stated_rate(shaping: config.ShapingConfig, domain: str, mx_hosts: Iterable[str]) -> float:
+    """The messages a minute a [[shaping.destinations]] rule gives this destination, 0 if
+    none. An admin who names a destination's rate knows that provider: a destination with
+    no history starts there instead of in slow start. shaping.default's rate says nothing
+    of any one provider: it stays a ceiling over the slow start."""
+    rule = _rule_for(shaping, domain, mx_hosts)
+    return (rule.messages_per_minute or 0.0) if rule else 0.0
+
+
+def _rule_for(
+    shaping: config.ShapingConfig, domain: str, mx_hosts: Iterable[str]
+) -> config.DestinationRule | None:
     domain = _name(domain)
     hosts = [_name(host) for host in mx_hosts]
     for rule in shaping.destinations:
         if rule.domain and _name(rule.domain) == domain:
-            return rule.over(shaping.default)
+            return rule
         if rule.mx_suffix and any(_under(host, _name(rule.mx_suffix)) for host in hosts):
-            return rule.over(shaping.default)
-    return shaping.default
+            return rule
+    return None
 
 
 def _name(name: str) -> str:
