@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from .. import config
+from ..dsn import DsnParams
 from ..dsn import notice as dsn_notice
 from ..logs import get_logger
 from ..model import DEFERRED, QUEUED, Message
@@ -871,14 +872,12 @@ class DeliveryManager:
         except (OSError, CorruptMessageFile):
             original = b""
         dsn_id = self.spool.ids.next(now)
+        params = DsnParams(self.hostname, now, self.cfg.dsn.max_return, dsn_id)
         notice, content = dsn_notice(
             message,
             reports,
             original,
-            reporting_mta=self.hostname,
-            now=now,
-            max_return=self.cfg.dsn.max_return,
-            dsn_id=dsn_id,
+            params,
             klass=self.cfg.dsn.klass,
             lifetime=self.cfg.dsn.lifetime,
         )
