@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -63,7 +63,7 @@ from ..smtp.client import ClientSettings, SmtpConnection
 from ..spool import statefile
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool, StorageError, StorageFull
-from ..spool.walk import walk
+from ..spool.walk import chunks, walk
 from .destination import Destination, DestinationsView, WorkItem, destination_key
 from .sender import Sender, Suspended
 
@@ -74,9 +74,6 @@ RECOVER_AFTER = 60.0  # retry delay after an unexpected error (a bug): not an at
 UNCHARGED_WAITS = 1  # ... once: a repeated internal wait counts as an attempt
 DSN_RETRY = 5.0  # seconds between tries to store a DSN the spool refused (a full disk)
 PENDING = (QUEUED, DEFERRED)
-# Messages read per step of a walk over the whole queue (start, expiry): each message
-# costs a decode, and at a million queued the loop must not stop for the whole walk.
-WALK_CHUNK = 2000
 # Messages active at once (routed, queued at a destination or in transit) up to which the
 # overdue mail found at start is let into the scheduler (Postfix: 20,000 as well).
 ACTIVE_LIMIT = 20_000
@@ -211,7 +208,7 @@ class DeliveryManager:
         chunks) wait for the rest. Mail not yet due waits in the core's heap; overdue
         mail is released into the active window, the first class first."""
         later: list[str] = []  # overdue, not of the first class: after it
-        for chunk in _chunks(message_ids):
+        for chunk in chunks(message_ids):
             for message_id in chunk:
                 message = self._read(message_id)
                 due = None if message is None else _earliest_due(message)
@@ -383,7 +380,7 @@ class DeliveryManager:
         """Expire mail whose lifetime has passed, whatever it waits for (pacing included).
         The queue is read a chunk at a time, as at start."""
         due: set[str] = set()
-        for chunk in _chunks(list(self.spool.messages)):
+        for chunk in chunks(list(self.spool.messages)):
             for message_id in chunk:
                 m = self._read(message_id)
                 if m is not None and expire_due(m, now, self._settings(m.klass)) is not None:
@@ -1041,11 +1038,6 @@ class DeliveryManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-
-def _chunks(message_ids: list[str]) -> Iterator[list[str]]:
-    for start in range(0, len(message_ids), WALK_CHUNK):
-        yield message_ids[start : start + WALK_CHUNK]
 
 
 def _earliest_due(message: Message) -> float | None:
