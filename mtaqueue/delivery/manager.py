@@ -835,8 +835,10 @@ class DeliveryManager:
             if not notices:
                 self._journal(self.spool.remove(message.id, "done"), message.id)
                 return
-            # Its DSNs must be durable before the original goes: kept until then.
-            self._journal(self.spool.update(message), message.id)
+            # Its DSNs must be durable before the original goes: kept until then, its
+            # final record in memory only, so that a stop meanwhile (a disk still too
+            # full for them) leaves it as it was, to be tried and its DSNs made again.
+            self.spool.show(message)
             self._spawn(self._remove_when_noticed(message.id, notices))
             return
         self._journal(self.spool.update(message), message.id)
@@ -858,7 +860,7 @@ class DeliveryManager:
     async def _remove_when_noticed(self, message_id: str, notices: list[asyncio.Future]) -> None:
         if all(await asyncio.gather(*notices)):
             self._journal(self.spool.remove(message_id, "done"), message_id)
-        else:  # a bug, logged: the original stays, with its final states, for an operator
+        else:  # a bug, logged: the original stays, for an operator (or a restart)
             log.error("original_kept", id=message_id, reason="its DSN could not be queued")
 
     def _notify(self, message: Message, reports: list, kind: str, now: float) -> asyncio.Future:
