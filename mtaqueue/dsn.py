@@ -46,6 +46,15 @@ class RecipientReport(msgspec.Struct, frozen=True):
     will_retry_until: float | None = None  # only reported for "delayed"
 
 
+class DsnParams(msgspec.Struct, frozen=True):
+    """What a DSN is made with, besides the message and the reports."""
+
+    reporting_mta: str  # our name, in the report and its Message-ID
+    now: float
+    max_return: int  # the largest original returned whole (dsn.max_return)
+    dsn_id: str  # the DSN's queue id
+
+
 def wants_notice(
     message: Message, recipient: Recipient, action: str, *, delay_without_notify: bool = False
 ) -> bool:
@@ -69,11 +78,8 @@ def notice(
     message: Message,
     reports: list[RecipientReport],
     original: bytes,
+    params: DsnParams,
     *,
-    reporting_mta: str,
-    now: float,
-    max_return: int,
-    dsn_id: str,
     klass: str,
     lifetime: float,
 ) -> tuple[Message, bytes]:
@@ -89,27 +95,19 @@ def notice(
         rcpt = report.recipient
         if not wants_notice(message, rcpt, report.action, delay_without_notify=True):
             raise ValueError(f"no {report.action} notice may be sent about {rcpt.address}")
-    content = build_dsn(
-        message,
-        reports,
-        original,
-        reporting_mta=reporting_mta,
-        now=now,
-        max_return=max_return,
-        dsn_id=dsn_id,
-    )
+    content = build_dsn(message, reports, original, params)
     envelope = Message(
-        id=dsn_id,
+        id=params.dsn_id,
         sender="",
         recipients=(Recipient(message.sender),),
-        created=now,
+        created=params.now,
         size=len(content),
         klass=klass,
-        expires=now + lifetime,
+        expires=params.now + lifetime,
         body="8BITMIME" if is_8bit(content) else "7BIT",
         smtputf8=not message.sender.isascii(),
         client="",
-        helo=reporting_mta,
+        helo=params.reporting_mta,
     )
     return envelope, content
 
@@ -118,11 +116,7 @@ def build_dsn(
     message: Message,
     reports: list[RecipientReport],
     original: bytes,
-    *,
-    reporting_mta: str,
-    now: float,
-    max_return: int,
-    dsn_id: str,
+    params: DsnParams,
 ) -> bytes:
     """The DSN about `reports` (recipients of `message`) as a complete message: CRLF lines of
     at most 998 octets. `original` is the stored content (CRLF lines), b"" if it is lost."""
@@ -136,8 +130,10 @@ def build_dsn(
         if not _STATUS.match(report.status):
             raise ValueError(f"invalid status code {report.status!r}")
     actions = {report.action for report in reports}
-    returned_type, returned, note = _returned(message, original, "failed" in actions, max_return)
-    text = _text(reports, reporting_mta, note)
+    returned_type, returned, note = _returned(
+        message, original, "failed" in actions, params.max_return
+    )
+    text = _text(reports, params.reporting_mta, note)
     parts = [
         _part(
             ["Content-Type: text/plain; charset=utf-8", f"Content-Transfer-Encoding: {_cte(text)}"],
@@ -145,22 +141,22 @@ def build_dsn(
         ),
         _part(
             ["Content-Type: message/delivery-status", "Content-Transfer-Encoding: 7bit"],
-            _crlf(_delivery_status(message, reports, reporting_mta)),
+            _crlf(_delivery_status(message, reports, params.reporting_mta)),
         ),
     ]
     if returned_type is not None:
         cte = f"Content-Transfer-Encoding: {_cte(returned)}"
         parts.append(_part([f"Content-Type: {returned_type}", cte], returned))
-    boundary = _boundary(dsn_id, parts)
+    boundary = _boundary(params.dsn_id, parts)
     body = b"".join(b"--%s\r\n%s\r\n" % (boundary, part) for part in parts)
     body += b"--%s--\r\n" % boundary
 
     header = [
-        f"From: Mail Delivery System <MAILER-DAEMON@{reporting_mta}>",
+        f"From: Mail Delivery System <MAILER-DAEMON@{params.reporting_mta}>",
         f"To: <{message.sender}>",
         f"Subject: {_subject(actions)}",
-        f"Date: {_date(now)}",
-        f"Message-ID: <{dsn_id}@{reporting_mta}>",
+        f"Date: {_date(params.now)}",
+        f"Message-ID: <{params.dsn_id}@{params.reporting_mta}>",
     ]
     if parent := _message_id(original):
         # RFC 3834 3.1.5: an automatic response names the message it answers.

@@ -258,25 +258,19 @@ class Metrics:
         """Each destination's shaper. Connections and limits sum into "other"; rates and
         states are shown for the top destinations only (a sum of them means nothing), and
         counted over all by mode and circuit state."""
-        connections = GaugeMetricFamily(
-            "mtaqueue_destination_connections",
-            "Open delivery connections, by destination",
-            labels=("destination",),
+        connections = _per_destination(
+            "mtaqueue_destination_connections", "Open delivery connections, by destination"
         )
-        limit = GaugeMetricFamily(
-            "mtaqueue_destination_connection_limit",
-            "Adaptive concurrency limit, by destination",
-            labels=("destination",),
+        limit = _per_destination(
+            "mtaqueue_destination_connection_limit", "Adaptive concurrency limit, by destination"
         )
-        rate = GaugeMetricFamily(
+        rate = _per_destination(
             "mtaqueue_destination_rate_limit_messages_per_second",
             "Message rate limit in force, backoff included; 0 = none (top destinations)",
-            labels=("destination",),
         )
-        stage = GaugeMetricFamily(
+        stage = _per_destination(
             "mtaqueue_destination_backoff_stage",
             "Backoff mode stage, 0 = normal (top destinations)",
-            labels=("destination",),
         )
         circuit = GaugeMetricFamily(
             "mtaqueue_destination_circuit_state",
@@ -394,6 +388,10 @@ async def _answer(metrics: Metrics, head: bytes) -> bytes:
         log.exception("metrics_failed")
         return _response("500 Internal Server Error", "text/plain; charset=utf-8", b"failed\n")
     return _response("200 OK", CONTENT_TYPE_LATEST, body)
+
+
+def _per_destination(name: str, documentation: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, labels=("destination",))
 
 
 def _response(status: str, content_type: str, body: bytes) -> bytes:

@@ -165,12 +165,15 @@ def test_full_disk_answers_452_and_keeps_serving(start_daemon, small_fs):
     assert leftovers == []
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["running", "restarted"])
 def test_a_dsn_refused_for_want_of_space_keeps_the_original_until_it_is_stored(
-    start_daemon, small_fs
+    start_daemon, small_fs, restart
 ):
     """The bounce of a message finds the disk too full for its DSN (the original's record
     would still fit): the original stays queued, the DSN is stored once there is room, and
-    only then does the original go."""
+    only then does the original go. `restart`: the daemon stops while the disk is still
+    full; the bounce must not be lost with it (the original is tried again after the
+    restart, so its DSN is made again)."""
     with MailNet(["127.0.0.2", "127.0.0.9"]) as net:
         mx, home = net.peers
         net.add_domain("example.org", "127.0.0.2")
@@ -185,7 +188,12 @@ def test_a_dsn_refused_for_want_of_space_keeps_the_original_until_it_is_stored(
         wait_for(lambda: events(daemon, "dsn_failed"), what="the DSN refused")
         assert events(daemon, "delivery")[-1]["outcome"] == "permanent"
         assert queue_id in daemon.messages()  # kept: its DSN is not stored
+        if restart:
+            assert daemon.stop() == 0  # the DSN is still not stored
         (small_fs / "ballast").unlink()
+        if restart:
+            daemon.start()
+            assert queue_id in daemon.messages()
         home.wait_for(lambda: len(home.messages) == 1, timeout=20)
         assert "x@example.org" in home.messages[0].content.decode(errors="replace")
         wait_for(lambda: not daemon.messages(), what="the original to go")

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtaqueue.dsn import RecipientReport, build_dsn, is_8bit, notice, wants_notice
+from mtaqueue.dsn import DsnParams, RecipientReport, build_dsn, is_8bit, notice, wants_notice
 from mtaqueue.model import Message, Recipient
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
@@ -44,15 +44,7 @@ def report(rcpt: Recipient, action: str = "failed", status: str = "5.1.1", **fie
 
 
 def build(message: Message, reports, original: bytes = ORIGINAL, max_return=100_000) -> bytes:
-    dsn = build_dsn(
-        message,
-        reports,
-        original,
-        reporting_mta=MTA,
-        now=NOW + 120,
-        max_return=max_return,
-        dsn_id=DSN_ID,
-    )
+    dsn = build_dsn(message, reports, original, DsnParams(MTA, NOW + 120, max_return, DSN_ID))
     lines = dsn.split(b"\r\n")
     assert lines[-1] == b"", "ends with CRLF"
     assert all(len(line) <= 998 and b"\r" not in line and b"\n" not in line for line in lines)
@@ -149,17 +141,8 @@ def test_notify_never_means_no_notice(action):
 
 
 def queue_notice(message: Message, reports, original: bytes = ORIGINAL):
-    return notice(
-        message,
-        reports,
-        original,
-        reporting_mta=MTA,
-        now=NOW + 120,
-        max_return=100_000,
-        dsn_id=DSN_ID,
-        klass="p0",
-        lifetime=86400.0,
-    )
+    params = DsnParams(MTA, NOW + 120, 100_000, DSN_ID)
+    return notice(message, reports, original, params, klass="p0", lifetime=86400.0)
 
 
 def test_the_notice_goes_from_the_null_sender_to_the_original_sender_alone():

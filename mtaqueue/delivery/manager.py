@@ -16,12 +16,13 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from .. import config
+from ..dsn import DsnParams
 from ..dsn import notice as dsn_notice
 from ..logs import get_logger
 from ..model import DEFERRED, QUEUED, Message
@@ -62,7 +63,7 @@ from ..smtp.client import ClientSettings, SmtpConnection
 from ..spool import statefile
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool, StorageError, StorageFull
-from ..spool.walk import walk
+from ..spool.walk import chunks, walk
 from .destination import Destination, DestinationsView, WorkItem, destination_key
 from .sender import Sender, Suspended
 
@@ -73,9 +74,6 @@ RECOVER_AFTER = 60.0  # retry delay after an unexpected error (a bug): not an at
 UNCHARGED_WAITS = 1  # ... once: a repeated internal wait counts as an attempt
 DSN_RETRY = 5.0  # seconds between tries to store a DSN the spool refused (a full disk)
 PENDING = (QUEUED, DEFERRED)
-# Messages read per step of a walk over the whole queue (start, expiry): each message
-# costs a decode, and at a million queued the loop must not stop for the whole walk.
-WALK_CHUNK = 2000
 # Messages active at once (routed, queued at a destination or in transit) up to which the
 # overdue mail found at start is let into the scheduler (Postfix: 20,000 as well).
 ACTIVE_LIMIT = 20_000
@@ -216,7 +214,7 @@ class DeliveryManager:
         chunks) wait for the rest. Mail not yet due waits in the core's heap; overdue
         mail is released into the active window, the first class first."""
         later: list[str] = []  # overdue, not of the first class: after it
-        for chunk in _chunks(message_ids):
+        for chunk in chunks(message_ids):
             for message_id in chunk:
                 message = self._read(message_id)
                 due = None if message is None else _earliest_due(message)
@@ -388,7 +386,7 @@ class DeliveryManager:
         """Expire mail whose lifetime has passed, whatever it waits for (pacing included).
         The queue is read a chunk at a time, as at start."""
         due: set[str] = set()
-        for chunk in _chunks(list(self.spool.messages)):
+        for chunk in chunks(list(self.spool.messages)):
             for message_id in chunk:
                 m = self._read(message_id)
                 if m is not None and expire_due(m, now, self._settings(m.klass)) is not None:
@@ -850,8 +848,10 @@ class DeliveryManager:
             if not notices:
                 self._journal(self.spool.remove(message.id, "done"), message.id)
                 return
-            # Its DSNs must be durable before the original goes: kept until then.
-            self._journal(self.spool.update(message), message.id)
+            # Its DSNs must be durable before the original goes: kept until then, its
+            # final record in memory only, so that a stop meanwhile (a disk still too
+            # full for them) leaves it as it was, to be tried and its DSNs made again.
+            self.spool.show(message)
             self._spawn(self._remove_when_noticed(message.id, notices))
             return
         self._journal(self.spool.update(message), message.id)
@@ -873,7 +873,7 @@ class DeliveryManager:
     async def _remove_when_noticed(self, message_id: str, notices: list[asyncio.Future]) -> None:
         if all(await asyncio.gather(*notices)):
             self._journal(self.spool.remove(message_id, "done"), message_id)
-        else:  # a bug, logged: the original stays, with its final states, for an operator
+        else:  # a bug, logged: the original stays, for an operator (or a restart)
             log.error("original_kept", id=message_id, reason="its DSN could not be queued")
 
     def _notify(self, message: Message, reports: list, kind: str, now: float) -> asyncio.Future:
@@ -884,14 +884,12 @@ class DeliveryManager:
         except (OSError, CorruptMessageFile):
             original = b""
         dsn_id = self.spool.ids.next(now)
+        params = DsnParams(self.hostname, now, self.cfg.dsn.max_return, dsn_id)
         notice, content = dsn_notice(
             message,
             reports,
             original,
-            reporting_mta=self.hostname,
-            now=now,
-            max_return=self.cfg.dsn.max_return,
-            dsn_id=dsn_id,
+            params,
             klass=self.cfg.dsn.klass,
             lifetime=self.cfg.dsn.lifetime,
         )
@@ -1055,11 +1053,6 @@ class DeliveryManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-
-def _chunks(message_ids: list[str]) -> Iterator[list[str]]:
-    for start in range(0, len(message_ids), WALK_CHUNK):
-        yield message_ids[start : start + WALK_CHUNK]
 
 
 def _earliest_due(message: Message) -> float | None:

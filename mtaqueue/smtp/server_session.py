@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..model import Recipient
 from . import content as data_
@@ -31,6 +32,7 @@ MAX_COMMAND_LINE = 2048  # RFC 5321 allows 512, plus room for DSN parameters
 MAX_ERRORS = 20  # replies with an error before we hang up on a confused client
 STREAM_PIECE = 128 << 10  # a streamed message is handed on once this much data is in
 _NOTIFY_VALUES = frozenset({"SUCCESS", "FAILURE", "DELAY"})
+_T = TypeVar("_T")
 _OVERLONG = "\x00overlong"  # _take_line's marker for a line that was too long
 
 
@@ -449,21 +451,10 @@ class ServerSession:
         if self.settings.auth_required and self.user is None:
             self._error("530 5.7.0 Authentication required")
             return
-        rest = _strip_keyword(arg, "FROM:")
-        if rest is None:
-            self._error("501 5.5.4 Syntax: MAIL FROM:<address>")
-            return
-        try:
-            sender, params = split_path(rest)
-            envelope = Envelope(sender=sender)
-            self._mail_params(envelope, params)
-            if sender:
-                check_mailbox(sender, utf8=envelope.smtputf8)
-        except AddressError as exc:
-            self._error(f"501 5.1.7 Bad sender address syntax: {exc}")
-            return
-        except _ParamError as exc:
-            self._error(str(exc))
+        envelope = self._path(
+            arg, "FROM:", "MAIL FROM:<address>", "501 5.1.7 Bad sender", self._mail_path
+        )
+        if envelope is None:
             return
         refusal = self._storage_refusal()  # disk low (452 4.3.1), writer restarting (451 4.3.0)
         if refusal:
@@ -471,6 +462,29 @@ class ServerSession:
             return
         self.envelope = envelope
         self._reply("250 2.1.0 Ok")
+
+    def _path(
+        self, arg: str, keyword: str, syntax: str, bad: str, parse: Callable[[str, str], _T]
+    ) -> _T | None:
+        """MAIL's or RCPT's path and parameters, as `parse` takes them; None once refused."""
+        rest = _strip_keyword(arg, keyword)
+        if rest is None:
+            self._error(f"501 5.5.4 Syntax: {syntax}")
+            return None
+        try:
+            return parse(*split_path(rest))
+        except AddressError as exc:
+            self._error(f"{bad} address syntax: {exc}")
+        except _ParamError as exc:
+            self._error(str(exc))
+        return None
+
+    def _mail_path(self, sender: str, params: str) -> Envelope:
+        envelope = Envelope(sender=sender)
+        self._mail_params(envelope, params)
+        if sender:
+            check_mailbox(sender, utf8=envelope.smtputf8)
+        return envelope
 
     def _mail_params(self, envelope: Envelope, params: str) -> None:
         if params and not self.esmtp:
@@ -514,20 +528,16 @@ class ServerSession:
         if envelope is None:
             self._error("503 5.5.1 Error: need MAIL command")
             return
-        rest = _strip_keyword(arg, "TO:")
-        if rest is None:
-            self._error("501 5.5.4 Syntax: RCPT TO:<address>")
+        recipient = self._path(
+            arg,
+            "TO:",
+            "RCPT TO:<address>",
+            "501 5.1.3 Bad recipient",
+            lambda address, params: self._rcpt_path(envelope, address, params),
+        )
+        if recipient is None:
             return
-        try:
-            address, params = split_path(rest)
-            check_mailbox(address, utf8=envelope.smtputf8)
-            notify, orcpt = self._rcpt_params(params)
-        except AddressError as exc:
-            self._error(f"501 5.1.3 Bad recipient address syntax: {exc}")
-            return
-        except _ParamError as exc:
-            self._error(str(exc))
-            return
+        address = recipient.address
         if not (self.may_relay or self.user is not None):
             self._error(f"554 5.7.1 <{address}>: Relay access denied")
             return
@@ -538,8 +548,13 @@ class ServerSession:
         if refusal is not None:
             self._error(refusal)
             return
-        envelope.recipients.append(Recipient(address, orcpt=orcpt, notify=notify))
+        envelope.recipients.append(recipient)
         self._reply("250 2.1.5 Ok")
+
+    def _rcpt_path(self, envelope: Envelope, address: str, params: str) -> Recipient:
+        check_mailbox(address, utf8=envelope.smtputf8)
+        notify, orcpt = self._rcpt_params(params)
+        return Recipient(address, orcpt=orcpt, notify=notify)
 
     def _rcpt_params(self, params: str) -> tuple[str | None, str | None]:
         if params and not self.esmtp:

@@ -379,6 +379,12 @@ class Spool:
         self.messages.put(message)
         return self._enqueue(Update(message))
 
+    def show(self, message: Message) -> None:
+        """Change a queued message's record in memory only: a restart finds the last one
+        journaled (a finished message waiting for its DSN, to be tried again then)."""
+        if message.id in self.messages:
+            self.messages.put(message)
+
     def remove(self, queue_id: str, reason: str) -> asyncio.Future:
         """Journal the end of a message, then delete its file (leaves the queue at once)."""
         self.messages.pop(queue_id)
