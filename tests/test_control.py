@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from loop_ticks import ticks_during
 
 from mtaqueue.control import ctl, protocol
 from mtaqueue.control.commands import queue_commands
@@ -638,24 +639,15 @@ def test_a_walk_over_the_queue_lets_the_event_loop_run_and_reads_as_it_goes(monk
     monkeypatch.setattr(walk, "WALK_CHUNK", 2)
     queue = dict(MESSAGES)
 
-    async def run(name: str) -> tuple[list[dict[str, Any]], int]:
-        ticks = 0
+    async def replies(name: str) -> list[dict[str, Any]]:
+        return [reply async for reply in _commands(queue)[name]({})]
 
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
+    def run(name: str) -> tuple[list[dict[str, Any]], int]:
+        return asyncio.run(ticks_during(replies(name)))
 
-        task = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        replies = [reply async for reply in _commands(queue)[name]({})]
-        task.cancel()
-        return replies, ticks
-
-    (status,), ticks = asyncio.run(run("status"))
+    (status,), ticks = run("status")
     assert status["messages"] == len(MESSAGES) and ticks >= len(MESSAGES) // 2
-    rows, ticks = asyncio.run(run("qshape"))
+    rows, ticks = run("qshape")
     assert rows[0]["key"] == "TOTAL" and ticks >= len(MESSAGES) // 2
 
     async def listed() -> list[str]:

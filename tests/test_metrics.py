@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from loop_ticks import ticks_during
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -293,22 +294,11 @@ def test_measuring_a_large_queue_lets_the_event_loop_run(monkeypatch):
     state.messages = [message(f"M{n}", "p1", n, ("r@example.net", QUEUED)) for n in range(20)]
     metrics = state.metrics()
 
-    async def main() -> int:
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
+    async def two_scrapes() -> None:
         await asyncio.gather(metrics.refresh(), metrics.refresh())
-        task.cancel()
-        return ticks
 
-    assert asyncio.run(main()) >= 10
+    _, ticks = asyncio.run(ticks_during(two_scrapes()))
+    assert ticks >= 10
     snapshot = metrics.snapshot(NOW)
     assert snapshot.destinations["example.net"].depth == 20 and snapshot.oldest == {"p1": 19}
 
