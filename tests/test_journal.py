@@ -84,7 +84,10 @@ def applied(recs: list[Record]) -> JournalState:
 
 def full(recs: list[Record | Stored]) -> list[Record]:
     """Records as written: replay reads a Put as a Stored (its Message still encoded)."""
-    return [Put(rec.message) if type(rec) is Stored else rec for rec in recs]
+    return [
+        Put(msgspec.msgpack.decode(rec.data, type=Message)) if type(rec) is Stored else rec
+        for rec in recs
+    ]
 
 
 def same(a: JournalState, b: JournalState) -> bool:

@@ -88,10 +88,6 @@ class Stored(msgspec.Struct, array_like=True, gc=False, frozen=True):
     created: float
     data: bytes  # the msgpack encoding of the Message
 
-    @property
-    def message(self) -> Message:
-        return _message_decoder.decode(self.data)
-
 
 _message_encoder = msgspec.msgpack.Encoder()
 _message_decoder = msgspec.msgpack.Decoder(Message)
@@ -110,7 +106,7 @@ class MessageMap(Mapping[str, Message]):
 
     Reads return a fresh `Message` (they are immutable, so nothing is shared); `in`,
     `len` and iterating the ids decode nothing. A whole walk (`values()`) decodes
-    every message: about half a microsecond each.
+    every message: a few microseconds each (seconds at a million: see spool/walk.py).
     """
 
     __slots__ = ("_data",)
