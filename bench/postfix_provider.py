@@ -134,15 +134,20 @@ def t_min(args) -> float:
     return (math.ceil(2 * args.messages / args.rate) - 1) * args.rate_unit
 
 
+def run_directory(workdir: Path, name: str) -> tuple[Path, SyntheticPeer]:
+    """A sender's own directory (readable by Postfix's users) and the sink its DSNs go to."""
+    workdir = workdir / name
+    workdir.mkdir()
+    workdir.chmod(0o755)
+    return workdir, SyntheticPeer([f"{SINK_IP}:0"]).start()
+
+
 def run_mtaqueue(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
     from dns_server import DnsServer
 
     s = scenario(args)
     run = Run("shipped", "mtaqueue (shipped config)", plan(s.messages, "pfm"))
-    workdir = workdir / "mtaqueue"
-    workdir.mkdir()
-    workdir.chmod(0o755)
-    sink = SyntheticPeer([f"{SINK_IP}:0"]).start()
+    workdir, sink = run_directory(workdir, "mtaqueue")
     dns = DnsServer().start()
     daemon = None
     with Receiver(workdir, args) as receiver:
@@ -170,10 +175,7 @@ def run_mtaqueue(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
 def run_postfix(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
     s = scenario(args)
     run = Run("postfix", "Postfix (stock)", plan(s.messages, "pfp"))
-    workdir = workdir / "postfix"
-    workdir.mkdir()
-    workdir.chmod(0o755)
-    sink = SyntheticPeer([f"{SINK_IP}:0"]).start()
+    workdir, sink = run_directory(workdir, "postfix")
     pf = postfix_sender(s, workdir / "sender", sink.port, cleanup=not args.keep)
     with Receiver(workdir, args) as receiver:
         try:
@@ -209,7 +211,7 @@ def figures(run: Run, log: dict, args) -> dict[str, Any]:
         "duplicates": sum(n - 1 for n in counts.values() if n > 1),
         "failed_dsn": run.dsns,
         "drain_s": drain,
-        "ratio": drain / t_min(args) if drain else None,
+        "ratio": drain / t_min(args) if drain and t_min(args) else None,  # none: one window
         "too_much_mail": refused("Message delivery request rate limit"),
         "too_many_recipients": refused("Recipient address rate limit"),
         "too_many_connections": refused("Connection concurrency limit"),
