@@ -53,10 +53,11 @@ def test_a_signal_pauses_and_cuts_to_a_fraction_of_the_acceptance():
         learner.sent(i / 10)
         learner.delivered(i / 10, 0.0)
     assert learner.accepted(10.0) == pytest.approx(10.0, rel=0.05)
+    sent_at = learner.rate
     assert learner.throttled(10.0, "421 4.7.28 rate limited")
     assert learner.good == pytest.approx(10.0, rel=0.05)
     assert learner.rate == pytest.approx(rl.BETA * learner.good)
-    assert learner.wait(10.0) == rl.COOLDOWN
+    assert learner.wait(10.0) == pytest.approx(rl.cooldown(sent_at))
     assert learner.phase(10.0, 0.0) == rl.PAUSED
     assert learner.rate_reply == "421 4.7.28 rate limited"
 
@@ -73,9 +74,9 @@ def test_replies_of_one_episode_are_one_signal():
     learner = RateLearner(0.0)
     send_for(learner, 0.0, 5.0)
     assert learner.throttled(5.0, "421 a")
-    rate = learner.rate
+    rate, pause = learner.rate, learner.wait(5.0)
     for k in range(10):  # in flight when the first came, and during the cool-down
-        assert not learner.throttled(5.0 + k * 0.4, "421 b")
+        assert not learner.throttled(5.0 + k * pause / 10, "421 b")
     assert learner.rate == rate and learner.rate_reply == "421 a"
 
 
@@ -102,6 +103,12 @@ def test_recovery_is_fast_then_the_probe_is_slow():
     assert now - start <= 7 * rl.PROBE_SECONDS
 
 
+def test_the_cool_down_is_some_messages_long_within_bounds():
+    assert rl.cooldown(rl.SLOW_START) == rl.COOLDOWN  # a small site: the longest
+    assert rl.cooldown(rl.PAUSE_MESSAGES / 3) == 3.0
+    assert rl.cooldown(1000.0) == rl.COOLDOWN_MIN  # refilled in a second; no longer
+
+
 def test_a_signal_right_after_a_cool_down_doubles_the_next():
     learner = RateLearner(0.0)
     learner.throttled(0.0, "421")
@@ -110,8 +117,25 @@ def test_a_signal_right_after_a_cool_down_doubles_the_next():
     assert learner.wait(rl.COOLDOWN) == 2 * rl.COOLDOWN
     # Once it took mail again, the next episode starts from the short cool-down.
     now = send_for(learner, 3 * rl.COOLDOWN, 30.0)
+    sent_at = learner.rate
     learner.throttled(now, "421")
-    assert learner.wait(now) == rl.COOLDOWN
+    assert learner.wait(now) == pytest.approx(rl.cooldown(sent_at))
+
+
+def test_a_site_that_refuses_outright_after_the_pause_is_measured_over_the_series():
+    """anvil overrun: 300 taken in the first 3 s, then nothing for the rest of its 60 s
+    window. What it took over the series, refusals included, is the next rate's base."""
+    learner = RateLearner(0.0)
+    learner.good, learner.rate = 80.0, 100.0  # past slow start
+    now = send_for(learner, 0.0, 3.0)
+    delivered = len(learner._deliveries)
+    learner.throttled(now, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    after_first = learner.rate
+    resumed = now + learner.wait(now)
+    learner.sent(resumed)
+    learner.throttled(resumed, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    assert learner.good == pytest.approx(delivered / resumed, rel=0.05)
+    assert learner.rate < after_first * rl.BETA  # deeper than one more cut of the same
 
 
 def test_too_many_connections_is_remembered_with_its_reply():

@@ -9,14 +9,21 @@ kept for people:
   sent at least USED of what the rate allowed (an idle destination proves nothing, so it
   does not grow).
 - A throttle signal (the shaper decides what is one: 421, 4.7.28, "too much mail",
-  rising latency...) pauses all sending to the destination for a cool-down, and the rate
+  rising latency...) pauses all sending to the destination for a cool-down (PAUSE_MESSAGES
+  at the rate it was sent at, between COOLDOWN_MIN and COOLDOWN seconds: a site taking
+  hundreds a second refills its limiter in a second, and a longer pause costs a short
+  backlog's drain most), and the rate
   becomes BETA times the acceptance measured over the WINDOW just before it (never more
   than BETA times the rate it was sent at). That acceptance is the last known good rate;
   in slow start at least half the rate (the last round's, which went through), since a
   measurement over a steep ramp undercounts.
   Signals during the cool-down are replies of the same episode (already in flight): one
   signal. A signal before REPEAT deliveries went through after a cool-down (the site is
-  still unhappy) doubles the next one, up to COOLDOWN_MAX.
+  still unhappy) doubles the next one, up to COOLDOWN_MAX. When it refused outright (not
+  one delivery since the resume), the acceptance is measured over the whole series since
+  its first run began, refused time included: a fixed-window limiter (Postfix's anvil)
+  that was overrun refuses for the rest of its window, and what it took over that span
+  is its rate.
 - Then it recovers by RECOVER times a round up to NEAR the good rate, closes in on it by a
   quarter of the distance (at least PROBE_STEP of it) every PROBE_EVERY deliveries and
   PROBE_SECONDS (PROBE_SLOW at most), and probes above it by PROBE_STEP: slowly, so that
@@ -43,7 +50,7 @@ import msgspec
 
 SLOW_START = 2.0  # no history: 120/min, polite to a small server, ramps fast
 MIN_RATE = 1 / 60  # a throttle never stops a destination for good: one a minute
-ROUND = 1.0  # growth step of slow start and recovery
+ROUND = 0.25  # growth step of slow start and recovery: 2/s reaches 1,000/s in ~2 s
 USED = 0.5  # share of a round's allowance sent, for it to count as evidence
 BETA = 0.8  # new rate after a signal, of the acceptance measured before it
 WINDOW = 5.0  # behind the acceptance measurement
@@ -56,7 +63,9 @@ PROBE_SLOW = 10.0  # destination steps after this long, however few it delivered
 STRIDE_MAX = 16  # past the good rate, steps double up to this many PROBE_STEPs
 SAME = 0.15  # a limit found again within this share is the same plateau
 PATIENCE_MAX = 8  # at most this many times PROBE_EVERY
-COOLDOWN = 5.0
+COOLDOWN = 5.0  # at most, for the first signal of a series
+COOLDOWN_MIN = 2.0  # a site may list a sender that is back within a second or two
+PAUSE_MESSAGES = 50.0
 COOLDOWN_MAX = 300.0
 REPEAT = 10  # deliveries after a cool-down that show the site took us back
 QUIET = 900.0  # without traffic before what was learned starts to decay
@@ -88,6 +97,11 @@ class Change(msgspec.Struct, frozen=True):
     old: float
     new: float
     reply: str  # what taught it ("" for growth in slow start)
+
+
+def cooldown(rate: float) -> float:
+    """The pause after the first signal of a series, at `rate` messages a second."""
+    return max(COOLDOWN_MIN, min(COOLDOWN, PAUSE_MESSAGES / rate))
 
 
 def decayed(learned: Learned, now: float) -> Learned | None:
@@ -139,6 +153,9 @@ class RateLearner:
         self._probe_count = 0
         self._probe_at = now
         self._since = now  # the measurement counts from here: start, or the last resume
+        self._run_delivered = 0  # since `_since`
+        self._series_at = now  # where this series of episodes began
+        self._series_delivered = 0  # in the runs of the series before this one
         self._deliveries: deque[float] = deque()
         self._changes: list[Change] = []
         self._logged_rate = self.rate
@@ -174,6 +191,7 @@ class RateLearner:
         greylisting answer): evidence, and a step of growth when one is due."""
         self._wake(now)
         self._deliveries.append(now)
+        self._run_delivered += 1
         while self._deliveries and self._deliveries[0] < now - WINDOW:
             self._deliveries.popleft()
         if now < self.paused_until:
@@ -201,22 +219,31 @@ class RateLearner:
         self._wake(now)
         if now < self.paused_until:
             return False
-        if self._resumed < REPEAT:
+        repeat = self._resumed < REPEAT
+        if not repeat:  # a new series of episodes begins with the run that ended here
+            self._series_at, self._series_delivered = self._since, 0
+        self._series_delivered += self._run_delivered
+        if repeat and not self._resumed:
+            # Refused outright since the resume: it took less than we measured. What it
+            # took is measured over the whole series, its refused time included.
+            measured = self._series_delivered / max(now - self._series_at, 1.0)
+        else:
+            measured = self.accepted(now)
+        if repeat:
             self._cooldown = min(self._cooldown * 2, COOLDOWN_MAX)
         else:
-            self._cooldown = COOLDOWN
+            self._cooldown = cooldown(self.rate)
         self.paused_until = now + self._cooldown
         self._resumed = 0
         if rate:
-            self._cut(now, reply)
+            self._cut(reply, measured)
         # The measurement and the rounds start over when sending resumes.
         self._since = self._round_at = self._probe_at = self.paused_until
-        self._round_sent = self._probe_count = 0
+        self._round_sent = self._probe_count = self._run_delivered = 0
         self._deliveries.clear()
         return True
 
-    def _cut(self, now: float, reply: str) -> None:
-        measured = self.accepted(now)
+    def _cut(self, reply: str, measured: float) -> None:
         good = min(self.rate, measured) if measured else self.rate * BETA
         if not self.good:
             good = max(good, self.rate / 2)
