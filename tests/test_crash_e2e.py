@@ -199,6 +199,37 @@ def test_a_dsn_refused_for_want_of_space_keeps_the_original_until_it_is_stored(
         wait_for(lambda: not daemon.messages(), what="the original to go")
 
 
+def test_a_bounce_with_recipients_still_pending_is_not_lost_with_a_stop(start_daemon, small_fs):
+    """One recipient bounces while another is still deferred, and the disk is too full for
+    the DSN until after a stop: the record that shows the bounce must not be journaled
+    before its DSN is, or the restart would find the recipient done and no DSN made."""
+    with MailNet(["127.0.0.2", "127.0.0.3", "127.0.0.9"]) as net:
+        mx, later, home = net.peers
+        net.add_domain("example.org", "127.0.0.2")
+        net.add_domain("example.net", "127.0.0.3")
+        net.add_domain("sender.test", "127.0.0.9")
+        mx.on("rcpt", "451 4.3.0 try later")
+        later.on("rcpt", "451 4.3.0 try later")
+        daemon = start_daemon(*net.daemon_overrides(), *FAST, "spool.min_free=0", workdir=small_fs)
+        queue_id = daemon.send(
+            "app@sender.test", ["x@example.org", "y@example.net"], body("b", size=90_000)
+        )
+        wait_for(lambda: len(events(daemon, "delivery")) >= 2, what="the first attempts")
+        st = os.statvfs(small_fs)
+        (small_fs / "ballast").write_bytes(b"x" * (st.f_bavail * st.f_frsize - 40_000))
+        mx.on("rcpt", "550 5.1.1 no such user")
+        wait_for(lambda: events(daemon, "dsn_failed"), what="the DSN refused")
+        assert daemon.stop() == 0  # the DSN is still not stored; y is still pending
+        (small_fs / "ballast").unlink()
+        daemon.start()
+        home.wait_for(lambda: len(home.messages) == 1, timeout=20)
+        assert "x@example.org" in home.messages[0].content.decode(errors="replace")
+        (message,) = daemon.messages().values()
+        states = {r["address"]: r["state"] for r in message["recipients"]}
+        assert states == {"x@example.org": "bounced", "y@example.net": "deferred"}
+        assert daemon.messages().keys() == {queue_id}
+
+
 def test_free_space_threshold_refuses_before_the_disk_is_full(start_daemon, small_fs):
     daemon = start_daemon("spool.min_free=40%", workdir=small_fs)
     assert send(daemon, body("a"))[0] == 250

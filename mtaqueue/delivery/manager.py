@@ -119,6 +119,8 @@ class DeliveryManager:
         self._admitted: set[str] = set()  # overdue at start, let in, not yet dispatched
         self._waits: dict[str, int] = {}  # message id -> internal waits since its last attempt
         self._refusals: dict[str, int] = {}  # message id -> throttle refusals in a row
+        # message id -> the journaling of its record, waiting for its DSNs to be durable
+        self._noticing: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Future] = set()
         self._closing = False
         # What destinations taught (rate_learner.Learned by destination key): loaded at
@@ -841,21 +843,27 @@ class DeliveryManager:
                 future = self.spool.suppress(address, now + self.cfg.suppression.ttl, reason)
                 self._journal(future, message.id)
                 log.info("suppressed", address=address, reason=reason)
-        if settlement.finished and not self._busy.get(message.id):
+        finished = settlement.finished and not self._busy.get(message.id)
+        if finished:
             self._busy.pop(message.id, None)
             self._waits.pop(message.id, None)
             self._refusals.pop(message.id, None)
-            if not notices:
-                self._journal(self.spool.remove(message.id, "done"), message.id)
-                return
-            # Its DSNs must be durable before the original goes: kept until then, its
-            # final record in memory only, so that a stop meanwhile (a disk still too
-            # full for them) leaves it as it was, to be tried and its DSNs made again.
+        earlier = self._noticing.get(message.id)
+        if notices or earlier is not None:
+            # Its DSNs must be durable before a record that shows the recipients they
+            # report as done (or the original's end): kept in memory only until then, so
+            # that a stop meanwhile (a disk still too full for them) leaves the record as
+            # it was, to be tried and its DSNs made again. A later record waits its turn.
             self.spool.show(message)
-            self._spawn(self._remove_when_noticed(message.id, notices))
-            return
-        self._journal(self.spool.update(message), message.id)
-        due = _earliest_due(message)
+            waits = notices if earlier is None else [*notices, earlier]
+            self._noticing[message.id] = self._spawn(
+                self._journal_when_noticed(message, finished, waits)
+            )
+        elif finished:
+            self._journal(self.spool.remove(message.id, "done"), message.id)
+        else:
+            self._journal(self.spool.update(message), message.id)
+        due = None if finished else _earliest_due(message)
         if due is not None:
             self._schedule(message.id, due)
 
@@ -870,11 +878,24 @@ class DeliveryManager:
 
         future.add_done_callback(done)
 
-    async def _remove_when_noticed(self, message_id: str, notices: list[asyncio.Future]) -> None:
-        if all(await asyncio.gather(*notices)):
-            self._journal(self.spool.remove(message_id, "done"), message_id)
-        else:  # a bug, logged: the original stays, for an operator (or a restart)
-            log.error("original_kept", id=message_id, reason="its DSN could not be queued")
+    async def _journal_when_noticed(
+        self, message: Message, finished: bool, notices: list[asyncio.Future]
+    ) -> bool:
+        """True once `message`'s record (its end, if `finished`) follows its durable DSNs."""
+        noticed = all(await asyncio.gather(*notices))
+        me = asyncio.current_task()
+        if self._noticing.get(message.id) is me:
+            del self._noticing[message.id]
+        if not noticed:  # a bug, logged: the record stays, for an operator (or a restart)
+            log.error("original_kept", id=message.id, reason="its DSN could not be queued")
+            return False
+        if finished:
+            self._journal(self.spool.remove(message.id, "done"), message.id)
+        elif self._noticing.get(message.id) is None:  # the latest record: journal it
+            latest = self.spool.messages.get(message.id)
+            if latest is not None:
+                self._journal(self.spool.update(latest), message.id)
+        return True
 
     def _notify(self, message: Message, reports: list, kind: str, now: float) -> asyncio.Future:
         """Queue a DSN to the sender (never for the null sender: wants_notice checked);
