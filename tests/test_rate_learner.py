@@ -148,6 +148,24 @@ def test_too_many_connections_is_remembered_with_its_reply():
     assert learner.learned().concurrency == 3
 
 
+def test_a_connection_refused_pauses_without_making_the_next_signal_a_repeat():
+    """Postfix's anvil answers one connection too many with a 421 at the greeting: a
+    pause (a strict site lists a client that goes on), but no cut, and no escalation of
+    the cool-down of the rate signal that may follow soon after."""
+    learner = RateLearner(0.0)
+    learner.good, learner.rate = 10.0, 8.0
+    now = send_for(learner, 0.0, 10.0)
+    rate = learner.rate
+    assert learner.throttled(now, "421 4.7.0 too many connections", rate=False)
+    assert learner.rate == rate and learner.wait(now) == pytest.approx(rl.cooldown(rate))
+    now += learner.wait(now)
+    learner.sent(now)
+    learner.delivered(now, 0.0)  # one went through, then the rate limit
+    assert learner.throttled(now + 0.5, "421 4.7.28 rate limited")
+    assert learner.wait(now + 0.5) == pytest.approx(rl.cooldown(rate))  # not doubled
+    assert learner.rate < rate
+
+
 def test_changes_report_cuts_and_growth_by_a_quarter():
     learner = RateLearner(0.0)
     send_for(learner, 0.0, 3.0)

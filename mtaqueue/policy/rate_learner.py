@@ -33,7 +33,8 @@ kept for people:
   finds the same limit again (within SAME) makes the next probe twice as patient (up to
   PATIENCE_MAX), in deliveries and in seconds (PROBE_SECONDS): the plateau is known.
 - "Too many connections" caps the concurrency at the connections that worked (the shaper
-  says how many) and pauses, without a cut: it says nothing of the rate.
+  says how many) and pauses for the first signal's cool-down, without a cut and without
+  making the next rate signal a repeat: it says nothing of the rate.
 - The rate never passes the configured ceiling (`messages_per_minute`, an operator's
   limit); a ceiling of 0 means none, not no pacing.
 
@@ -219,6 +220,11 @@ class RateLearner:
         self._wake(now)
         if now < self.paused_until:
             return False
+        if not rate:  # a pause of the base length; the series and the rate stand
+            self.paused_until = now + cooldown(self.rate)
+            self._series_delivered += self._run_delivered
+            self._restart_measurement()
+            return True
         repeat = self._resumed < REPEAT
         if not repeat:  # a new series of episodes begins with the run that ended here
             self._series_at, self._series_delivered = self._since, 0
@@ -235,13 +241,15 @@ class RateLearner:
             self._cooldown = cooldown(self.rate)
         self.paused_until = now + self._cooldown
         self._resumed = 0
-        if rate:
-            self._cut(reply, measured)
-        # The measurement and the rounds start over when sending resumes.
+        self._cut(reply, measured)
+        self._restart_measurement()
+        return True
+
+    def _restart_measurement(self) -> None:
+        """The measurement and the rounds start over when sending resumes."""
         self._since = self._round_at = self._probe_at = self.paused_until
         self._round_sent = self._probe_count = self._run_delivered = 0
         self._deliveries.clear()
-        return True
 
     def _cut(self, reply: str, measured: float) -> None:
         good = min(self.rate, measured) if measured else self.rate * BETA
