@@ -1,7 +1,7 @@
 """Providers whose limits the daemon is not told: the recovery storm, shipped config.
 
     python bench/providers_storm.py [--providers strict,mid,big,fast] [--compare mid]
-                                    [--full] [--span 30] [--max-messages 3000]
+                                    [--full] [--span 30] [--max-messages 3000] [--again]
 
 The backlog of `recovery_storm.py` (2% p0, 18% p1, 80% p2, each message to its own
 mailbox, queued while delivery is off, then released by a restart), sent to several
@@ -11,6 +11,11 @@ only every retry, shaping, lifetime and DSN duration scaled by `--time-scale` as
 recovery_storm does. For the `--compare` provider, the naive configuration ("resend
 everything now") and a stock Postfix (its default concurrency, timers scaled) run beside it
 against fresh copies of the same provider.
+
+`--again` runs each provider a second time, against a fresh copy of it and with a fresh
+backlog, the daemon starting with the learned.json the first run left: the next outage's
+recovery at a destination it knows (what was learned survives restarts), not the first
+contact with it.
 
 A provider's limits are given as the daemon sees them, in real seconds at the time scale
 (the provider's windows are the unscaled ones times `--time-scale`):
@@ -184,6 +189,11 @@ def main() -> int:
     add("--compare", default="mid", help="provider also run with naive and stock Postfix")
     add("--skip-naive", action="store_true")
     add("--skip-postfix", action="store_true")
+    add(
+        "--again",
+        action="store_true",
+        help="run each provider a second time, starting with what the first run learned",
+    )
     add("--full", action="store_true", help="--span 120 --max-messages 12000")
     add("--span", type=float, help="seconds of the provider's rate in the backlog (30)")
     add("--max-messages", type=int, help="at most this many messages per provider (3000)")
@@ -220,6 +230,13 @@ def main() -> int:
             )
             print_run(run, s)
             results.append((p, s, run))
+            if args.again:
+                learned = here / "shipped" / "spool" / "learned.json"
+                run = run_mtaqueue(
+                    s, here, False, timeout, f"{tag}{name}a", args.mq_option, False, learned
+                )
+                print_run(run, s)
+                results.append((p, s, run))
             if name != args.compare:
                 continue
             if not args.skip_naive:

@@ -579,7 +579,10 @@ def run_mtaqueue(
     tag: str,
     overrides: tuple[str, ...] | list[str] = (),
     admin: bool = True,
+    learned: Path | None = None,
 ) -> Run:
+    """`learned`: the learned.json of an earlier run at this provider, which the daemon
+    starts with (the next outage's recovery, at a destination it knows)."""
     from dns_server import DnsServer
 
     name = "naive" if naive else "mtaqueue" if admin else "shipped"
@@ -590,6 +593,8 @@ def run_mtaqueue(
         if admin
         else "mtaqueue (shipped config)"
     )
+    if learned is not None:
+        name, label = f"{name}-again", label.replace(")", ", again with what it learned)")
     run = Run(name, label, plan(s.messages, tag))
     workdir = workdir / name
     workdir.mkdir()
@@ -604,6 +609,8 @@ def run_mtaqueue(
         for i, ip in enumerate(PROVIDER_IPS):
             dns.add(f"mx{i + 1}.provider.test", "A", ip)
         cfg = mtaqueue_config(s, workdir / "spool", peer.port, sink.port, dns.address, naive, admin)
+        if learned is not None:
+            carry_learned(learned, workdir / "spool", peer.port)
         daemon = queue_and_release(run, s, workdir, cfg, overrides)
         sample_until_drained(
             run,
@@ -629,6 +636,17 @@ def run_mtaqueue(
         run.report = peer.stop()
     run.extra["log"] = read_daemon_log(workdir / "release.log")
     return run
+
+
+def carry_learned(learned: Path, spool: Path, port: int) -> None:
+    """Put an earlier run's learned.json in `spool`, its destinations (keyed by the MX
+    hosts and the delivery port) moved to this run's provider port."""
+    data = json.loads(learned.read_text())
+    data["destinations"] = {
+        re.sub(r":\d+$", f":{port}", key): lesson for key, lesson in data["destinations"].items()
+    }
+    spool.mkdir(parents=True, exist_ok=True)
+    (spool / "learned.json").write_text(json.dumps(data))
 
 
 def queue_and_release(
