@@ -22,6 +22,7 @@ from loop_ticks import ticks_during
 
 from mtaqueue.control import ctl, protocol
 from mtaqueue.control.commands import queue_commands
+from mtaqueue.control.operations import operation_commands
 from mtaqueue.control.server import Command, CommandError, ControlError, ControlServer
 from mtaqueue.ids import IdGenerator
 from mtaqueue.model import RECIPIENT_STATES, Message, Recipient
@@ -659,3 +660,39 @@ def test_a_walk_over_the_queue_lets_the_event_loop_run_and_reads_as_it_goes(monk
 
     last = list(queue)[-1]
     assert asyncio.run(listed()) == list(MESSAGES)[:-1]
+
+
+class _Steering:
+    """What a bulk command hands the delivery manager: each batch, as it was given."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+
+    def take(self, messages: list[Message]) -> int:
+        self.batches.append([m.id for m in messages])
+        return len(messages)
+
+    hold = release = flush = requeue = delete = bounce = take
+
+
+def test_a_bulk_command_acts_a_chunk_at_a_time_and_lets_the_loop_run(monkeypatch):
+    # `flush --all` after a long outage meets a million queued: the matches are decoded
+    # and handed over a chunk at a time, in the step that read them (never stale), with
+    # the loop running between chunks; named queue ids are looked up, not searched for.
+    monkeypatch.setattr(walk, "WALK_CHUNK", 2)
+    queue = dict(MESSAGES)
+    steering = _Steering()
+    hold = operation_commands(steering, queue)["hold"]  # type: ignore[arg-type]
+
+    async def replies(args: dict[str, Any]) -> list[dict[str, Any]]:
+        return [reply async for reply in hold(args)]
+
+    (reply,), ticks = asyncio.run(ticks_during(replies({"all": True})))
+    assert reply == {"held": len(MESSAGES)} and ticks >= len(MESSAGES) // 2
+    assert sorted(i for batch in steering.batches for i in batch) == sorted(MESSAGES)
+    assert all(len(batch) <= 2 for batch in steering.batches)
+    steering.batches.clear()
+    assert asyncio.run(replies({"ids": [BULK.id, "NOSUCHID", BULK.id]})) == [{"held": 1}]
+    assert steering.batches == [[BULK.id]]
+    with pytest.raises(CommandError, match="name messages"):
+        asyncio.run(replies({}))

@@ -3,8 +3,9 @@ forget."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -14,12 +15,13 @@ from mtaqueue.control import views
 from mtaqueue.control.server import Command, CommandError
 from mtaqueue.delivery.manager import DeliveryManager
 from mtaqueue.model import Message
+from mtaqueue.spool.walk import chunks
 
 
 def operation_commands(
-    manager: DeliveryManager, messages: Callable[[], Iterable[Message]]
+    manager: DeliveryManager, queue: Mapping[str, Message]
 ) -> dict[str, Command]:
-    def select(args: dict[str, Any]) -> list[Message]:
+    def selection(args: dict[str, Any]) -> views.Filters:
         selector = {k: v for k, v in args.items() if k != "all" and v not in (None, [], "")}
         if not selector and not args.get("all"):
             raise CommandError(
@@ -33,15 +35,27 @@ def operation_commands(
                 raise CommandError(f"bad --older-than: {exc}") from None
             selector["now"] = time.time()
         try:
-            filters = msgspec.convert(selector, views.Filters)
+            return msgspec.convert(selector, views.Filters)
         except msgspec.ValidationError as exc:
             raise CommandError(f"bad selection: {exc}") from None
-        # Not copied: the walk has no await, and only the matches are kept decoded.
-        return [m for m in messages() if views.matches(m, filters)]
+
+    async def matching(filters: views.Filters) -> AsyncIterator[list[Message]]:
+        """The matches a chunk of the queue at a time, decoded and acted on before the
+        loop runs again (so none is stale: a record changed meanwhile would be written
+        back old), and only a chunk of them decoded at once: at a million queued,
+        `flush --all` after an outage must not hold them all, nor stall the loop."""
+        named = filters.ids is not None  # queue ids named: only those are looked at
+        for chunk in chunks(list(dict.fromkeys(filters.ids)) if named else list(queue)):
+            batch = [m for i in chunk if (m := queue.get(i)) is not None]
+            yield [m for m in batch if views.matches(m, filters)]
+            await asyncio.sleep(0)
 
     def bulk(action: Callable[[list[Message]], int], verb: str) -> Command:
         async def command(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-            yield {verb: action(select(args))}
+            count = 0
+            async for batch in matching(selection(args)):
+                count += action(batch) if batch else 0
+            yield {verb: count}
 
         return command
 
