@@ -175,7 +175,7 @@ class Daemon:
         )
         commands = queue_commands(lambda: self.spool.messages, self.info)
         commands |= suppression_commands(self.spool, self.cfg.suppression.ttl)
-        commands |= operation_commands(self.delivery, self.spool.messages)
+        commands |= operation_commands(self.delivery, self.spool)
         control = ControlServer(
             config.control_socket_path(self.cfg), self.cfg.control.mode, commands
         )

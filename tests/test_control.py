@@ -675,14 +675,24 @@ class _Steering:
     hold = release = flush = requeue = delete = bounce = take
 
 
+class _Journal:
+    """The spool as bulk commands see it: the queue, and the wait for the writer."""
+
+    def __init__(self, messages: dict[str, Message]) -> None:
+        self.messages, self.waits = messages, 0
+
+    async def drained(self) -> None:
+        self.waits += 1
+
+
 def test_a_bulk_command_acts_a_chunk_at_a_time_and_lets_the_loop_run(monkeypatch):
     # `flush --all` after a long outage meets a million queued: the matches are decoded
     # and handed over a chunk at a time, in the step that read them (never stale), with
-    # the loop running between chunks; named queue ids are looked up, not searched for.
+    # the loop running between chunks and the writer given each step's records before
+    # the next; named queue ids are looked up, not searched for.
     monkeypatch.setattr(walk, "WALK_CHUNK", 2)
-    queue = dict(MESSAGES)
-    steering = _Steering()
-    hold = operation_commands(steering, queue)["hold"]  # type: ignore[arg-type]
+    steering, journal = _Steering(), _Journal(dict(MESSAGES))
+    hold = operation_commands(steering, journal)["hold"]  # type: ignore[arg-type]
 
     async def replies(args: dict[str, Any]) -> list[dict[str, Any]]:
         return [reply async for reply in hold(args)]
@@ -691,6 +701,7 @@ def test_a_bulk_command_acts_a_chunk_at_a_time_and_lets_the_loop_run(monkeypatch
     assert reply == {"held": len(MESSAGES)} and ticks >= len(MESSAGES) // 2
     assert sorted(i for batch in steering.batches for i in batch) == sorted(MESSAGES)
     assert all(len(batch) <= 2 for batch in steering.batches)
+    assert journal.waits == len(steering.batches)  # what each step queued, written first
     steering.batches.clear()
     assert asyncio.run(replies({"ids": [BULK.id, "NOSUCHID", BULK.id]})) == [{"held": 1}]
     assert steering.batches == [[BULK.id]]

@@ -401,3 +401,25 @@ def test_delete_bounce_requeue_and_selection_filters(provider):
     provider.mx.on("rcpt", None)
     assert ctl_json(daemon, "requeue", "--state", "deferred") == [{"requeued": 1}]
     wait_for(lambda: not daemon.messages(), what="the requeued message")
+
+
+def test_a_release_of_more_than_a_chunk_waits_in_line_and_all_goes_p0_first(provider):
+    """`release --all` of more mail than one step of the active window takes (2,000):
+    the rest waits in line and goes as the window has room, the first class ahead of
+    it; every message is delivered once."""
+    count = 2_100
+    daemon = provider.backlog()
+    with daemon.smtp() as client:  # one session: thousands of submissions in seconds
+        for i in range(count):
+            client.sendmail("app@sender.test", [f"b{i}@example.org"], BODY)
+    urgent = send_class(daemon, "p0", "r@example.net")
+    assert ctl_json(daemon, "hold", "--all") == [{"held": count + 1}]
+    restart_with_delivery(daemon)
+    time.sleep(1)
+    assert provider.mx.messages == []  # held: nothing goes
+    assert ctl_json(daemon, "release", "--all") == [{"released": count + 1}]
+    wait_for(lambda: not daemon.messages(), timeout=90, what="the released messages")
+    rcpts = [r for m in provider.mx.messages for r in m.rcpt_tos]
+    assert len(rcpts) == len(set(rcpts)) == count + 1
+    assert rcpts.index("r@example.net") < 50  # released last, delivered among the first
+    assert urgent not in daemon.messages()

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from mtaqueue.model import Message, Recipient
-from mtaqueue.spool import journal
+from mtaqueue.spool import journal, store
 from mtaqueue.spool.layout import SpoolLayout
 from mtaqueue.spool.store import WRITER_DOWN, Spool, StorageError
 
@@ -65,6 +65,39 @@ def test_a_change_msgpack_cannot_encode_fails_alone_and_the_spool_goes_on(tmp_pa
 
     after, same_batch = asyncio.run(main())
     assert {after, same_batch} <= queued_after_restart(tmp_path)  # durable
+
+
+def test_a_bulk_change_goes_to_the_writer_in_bounded_batches(tmp_path, monkeypatch):
+    """`release --all` at a million queued: the writer gets at most MAX_BATCH changes at
+    a time (each step's encode and answer is short), `drained` waits until what is left
+    is under it, and every change is durable."""
+    monkeypatch.setattr(store, "MAX_BATCH", 4)
+
+    async def main() -> tuple[list[int], int, set[str]]:
+        spool = await started(tmp_path)
+        records = [message(spool) for _ in range(10)]
+        await asyncio.gather(*(spool.accept(r, b"x\r\n") for r in records))
+        sizes, send = [], spool._send
+
+        def recorded() -> None:
+            before = spool._inflight
+            send()
+            if spool._inflight is not None and spool._inflight is not before:
+                sizes.append(len(spool._inflight))  # a batch went
+
+        spool._send = recorded  # type: ignore[method-assign]
+        held = [spool.update(msgspec.structs.replace(r, held=True)) for r in records]
+        await spool.drained()
+        left = len(spool._queue)
+        await asyncio.gather(*held)
+        assert await spool.close(5) is True
+        return sizes, left, {r.id for r in records}
+
+    sizes, left, ids = asyncio.run(main())
+    assert max(sizes) <= 4 and sum(sizes) == 10
+    assert left < 4
+    state = journal.replay(SpoolLayout(tmp_path).journal, repair=False).state
+    assert ids <= set(state.messages)
 
 
 def test_close_ends_within_its_timeout_when_the_writer_hangs(tmp_path):

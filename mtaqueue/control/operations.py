@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -15,12 +15,13 @@ from mtaqueue.control import views
 from mtaqueue.control.server import Command, CommandError
 from mtaqueue.delivery.manager import DeliveryManager
 from mtaqueue.model import Message
+from mtaqueue.spool.store import Spool
 from mtaqueue.spool.walk import chunks
 
 
-def operation_commands(
-    manager: DeliveryManager, queue: Mapping[str, Message]
-) -> dict[str, Command]:
+def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Command]:
+    queue = spool.messages
+
     def selection(args: dict[str, Any]) -> views.Filters:
         selector = {k: v for k, v in args.items() if k != "all" and v not in (None, [], "")}
         if not selector and not args.get("all"):
@@ -48,6 +49,7 @@ def operation_commands(
         for chunk in chunks(list(dict.fromkeys(filters.ids)) if named else list(queue)):
             batch = [m for i in chunk if (m := queue.get(i)) is not None]
             yield [m for m in batch if views.matches(m, filters)]
+            await spool.drained()  # the records it changed, journaled before the next
             await asyncio.sleep(0)
 
     def bulk(action: Callable[[list[Message]], int], verb: str) -> Command:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -63,7 +64,7 @@ from ..smtp.client import ClientSettings, SmtpConnection
 from ..spool import statefile
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool, StorageError, StorageFull
-from ..spool.walk import chunks, walk
+from ..spool.walk import WALK_CHUNK, chunks, walk
 from .destination import Destination, DestinationsView, WorkItem, destination_key
 from .sender import Sender, Suspended
 
@@ -117,6 +118,10 @@ class DeliveryManager:
         self._timer: asyncio.TimerHandle | None = None
         self._busy: dict[str, set[int]] = {}  # message id -> recipients routed/queued/in transit
         self._admitted: set[str] = set()  # overdue at start, let in, not yet dispatched
+        # Due, waiting for room in the active window (a flush of a million, or a million
+        # retries due at once), the first class in its own line ahead of the rest.
+        self._overdue: tuple[deque[str], deque[str]] = (deque(), deque())
+        self._overdue_drain: asyncio.Future | None = None
         self._waits: dict[str, int] = {}  # message id -> internal waits since its last attempt
         self._refusals: dict[str, int] = {}  # message id -> throttle refusals in a row
         # message id -> the journaling of its record, waiting for its DSNs to be durable
@@ -268,6 +273,8 @@ class DeliveryManager:
     # -- timing ------------------------------------------------------------------------
 
     def _schedule(self, message_id: str, due: float) -> None:
+        if not self._started:  # delivery.enabled = false: the start schedules the queue
+            return
         self._act(self._core.schedule(time.time(), message_id, due))
 
     def _tick(self) -> None:
@@ -322,7 +329,41 @@ class DeliveryManager:
     def _in_transit(self) -> bool:
         return any(link.item is not None for link in self._links.values())
 
-    def _dispatch_due(self, message_ids: tuple[str, ...]) -> None:
+    def _dispatch_due(self, message_ids: tuple[str, ...] | list[str]) -> None:
+        """What is due now goes into the active window a chunk at a time, the rest waits
+        in line (`_let_through`): a flush of a million must neither route and queue them
+        all at once nor hold the event loop while it reads them."""
+        if self._admitted:  # let in at start: they hold their room already
+            self._route_due([i for i in message_ids if i in self._admitted])
+            message_ids = [i for i in message_ids if i not in self._admitted]
+        first, rest = self._overdue
+        if first or rest or len(message_ids) > min(WALK_CHUNK, self._room()):
+            for message_id in message_ids:
+                head = self.spool.messages.head(message_id)
+                if head is not None:
+                    (first if head.klass == self.first_class else rest).append(message_id)
+            if self._overdue_drain is None or self._overdue_drain.done():
+                self._overdue_drain = self._spawn(self._let_through())
+            return
+        if message_ids:
+            self._route_due(message_ids)
+
+    def _room(self) -> int:
+        return ACTIVE_LIMIT - len(self._busy) - len(self._admitted)
+
+    async def _let_through(self) -> None:
+        """Dispatch the mail waiting in line as the active window has room."""
+        first, rest = self._overdue
+        while (first or rest) and not self._closing:
+            room = min(WALK_CHUNK, self._room())
+            if room <= 0:
+                await asyncio.sleep(RELEASE_POLL)
+                continue
+            line = first or rest
+            self._route_due([line.popleft() for _ in range(min(room, len(line)))])
+            await asyncio.sleep(0)
+
+    def _route_due(self, message_ids: tuple[str, ...] | list[str]) -> None:
         """Everything due now is routed together: one lookup per next hop, not one per
         message (a restart can make thousands due in the same moment)."""
         now = time.time()

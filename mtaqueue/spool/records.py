@@ -121,6 +121,11 @@ class MessageMap(Mapping[str, Message]):
         data = self._data.get(queue_id)
         return default if data is None else _message_decoder.decode(data)
 
+    def head(self, queue_id: str) -> Head | None:
+        """The leading fields (class, sender...) without the recipients decoded."""
+        data = self._data.get(queue_id)
+        return None if data is None else _head_decoder.decode(data)
+
     def __contains__(self, queue_id: object) -> bool:
         return queue_id in self._data
 

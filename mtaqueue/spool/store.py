@@ -63,6 +63,10 @@ WRITER_START_TIMEOUT = 60.0
 WRITER_STABLE = 30.0
 WRITER_BACKOFF_FIRST = 0.5
 WRITER_BACKOFF_MAX = 30.0
+# Changes per batch to the writer: a bulk change (`mtaqueue-ctl release --all` at a
+# million queued) is encoded, committed and answered in steps this size, none of which
+# holds the event loop long.
+MAX_BATCH = 5000
 STREAM_THREADS = 4  # the daemon's threads writing the files of incoming messages
 WRITER_DOWN = "451 4.3.0 Spool writer restarting, try again later"
 DISK_LOW = "452 4.3.1 Insufficient system storage"
@@ -431,7 +435,7 @@ class Spool:
         transport = self._link.transport
         if transport is None:
             return
-        batch, self._queue = self._queue, []
+        batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
         try:
             payload = self._encoder.encode(Batch([op for op, _ in batch]))
         except Exception:
@@ -441,6 +445,13 @@ class Spool:
             payload = self._encoder.encode(Batch([op for op, _ in batch]))
         self._inflight = batch
         transport.write(frame(payload))
+
+    async def drained(self) -> None:
+        """Until fewer than a batch of changes wait to be sent: a bulk change waits here
+        between its steps, so that what it queues stays bounded (not a million records
+        held for the writer at once)."""
+        while len(self._queue) >= MAX_BATCH and not self._closed:
+            await asyncio.sleep(0.01)
 
     def _encodable(self, batch: list[tuple[Op, asyncio.Future]]) -> list[tuple[Op, asyncio.Future]]:
         """The changes of a batch that encode; the others fail alone (a bug upstream,
