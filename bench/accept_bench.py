@@ -328,9 +328,12 @@ def startup(args, workdir: Path, queued: int) -> Startup:
         off.stop()
     # Delivery on, everything relayed to a local sink: until it accepts the first message.
     # The probe is refused (and so is its DSN): the first message accepted is a queued one.
+    # Suppression off: the probe's bounce must not suppress the next start's probe.
     probes = ("probe@example.org", "probe@example.com")
     with SyntheticPeer([f"{SINK_IP}:0"], timeline=False, bounces=probes) as sink:
-        on = Mtaqueue(spool, 2628, f"delivery.relayhost=[{SINK_IP}]:{sink.port}")
+        on = Mtaqueue(
+            spool, 2628, f"delivery.relayhost=[{SINK_IP}]:{sink.port}", "suppression.enabled=false"
+        )
         row.accepting_s, row.first_delivery_s, watch = timed_start(on, row, args, sink)
         if watch is not None:
             # And its memory while it delivers: at a start the whole queue is due (p0 at
