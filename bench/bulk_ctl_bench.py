@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from accept_bench import Mtaqueue, fill_spool, rss_kib
 from common import free_port, work_directory
 

@@ -47,8 +47,8 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
         `flush --all` after an outage must not hold them all, nor stall the loop."""
         named = filters.ids is not None  # queue ids named: only those are looked at
         for chunk in chunks(list(dict.fromkeys(filters.ids)) if named else list(queue)):
-            batch = [m for i in chunk if (m := queue.get(i)) is not None]
-            yield [m for m in batch if views.matches(m, filters)]
+            found = (queue.get(i) for i in chunk)
+            yield [m for m in found if m is not None and views.matches(m, filters)]
             await spool.drained()  # the records it changed, journaled before the next
             await asyncio.sleep(0)
 
