@@ -323,11 +323,67 @@ class RetryConfig(_Table):
     restart_spread: Duration = _d("1m")  # overdue mail after a restart is spread over this
 
 
-class ClassConfig(_Table):
+class RelayConfig(_Table):
+    """A next hop of a class or a tenant: a smarthost, perhaps with client AUTH."""
+
+    relayhost: str = ""  # "" = as delivery.relayhost and routes say; syntax of split_host_port()
+    relay_user: str = ""  # "" = no AUTH
+    relay_password_file: str = ""  # the password: the file's first line
+    relay_tls: Literal["auto", "starttls", "implicit"] = "auto"  # auto: implicit on port 465
+
+
+class ClassConfig(RelayConfig):
     lifetime: Duration = _d("5d")
-    expire_action: Literal["bounce", "discard", "hold"] = "bounce"
+    # notify: no DSN, an "expired" event the application compensates on
+    expire_action: Literal["bounce", "discard", "hold", "notify"] = "bounce"
     priority: int = 1  # lower goes first
     weight: Annotated[int, msgspec.Meta(ge=1)] = 1
+    revalidate_after: Duration = _d("0s")  # 0 = never; older mail is checked before an attempt
+
+
+class TenantConfig(RelayConfig):
+    """[tenants.NAME]: what is the tenant's own (its route, for now)."""
+
+
+EVENT_TYPES = (
+    "accepted",
+    "delivered",
+    "deferred",
+    "delayed",
+    "bounced",
+    "expired",
+    "suppressed",
+    "cancelled",
+    "held",
+)
+
+
+class WebhookConfig(_Table):
+    """One [[webhooks]] entry: events POSTed as signed JSON to `url`."""
+
+    url: str
+    secret: str = ""  # HMAC-SHA256 key of X-Mtaqueue-Signature; or
+    secret_file: str = ""  # the key as the file's first line
+    name: str = ""  # "" = the url; names the endpoint's place in the event log
+    events: list[str] = []  # [] = every type (EVENT_TYPES)
+    classes: list[str] = []  # [] = every class
+    tenants: list[str] = []  # [] = every tenant (and mail of none)
+    timeout: Duration = _d("10s")
+    batch_max: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 100
+    max_age: Duration = _d("3d")  # an event not taken by then is dropped (logged, alerted)
+
+
+class ApiConfig(_Table):
+    address: str = ""  # "" = no HTTP API; e.g. "127.0.0.1:8025"
+    tokens_file: str = ""  # "TOKEN [TENANT]" lines
+
+
+class RevalidateConfig(_Table):
+    url: str = ""  # "" = classes.NAME.revalidate_after is refused
+    secret: str = ""
+    secret_file: str = ""
+    timeout: Duration = _d("5s")
+    on_error: Literal["send", "hold"] = "send"
 
 
 # Always defined; a [classes.NAME] table is merged over the class's defaults here.
@@ -354,6 +410,10 @@ class Config(_Table):
     dsn: DsnConfig = msgspec.field(default_factory=DsnConfig)
     suppression: SuppressionConfig = msgspec.field(default_factory=SuppressionConfig)
     classes: dict[str, ClassConfig] = msgspec.field(default_factory=lambda: dict(DEFAULT_CLASSES))
+    tenants: dict[str, TenantConfig] = {}
+    webhooks: list[WebhookConfig] = []
+    api: ApiConfig = msgspec.field(default_factory=ApiConfig)
+    revalidate: RevalidateConfig = msgspec.field(default_factory=RevalidateConfig)
 
 
 def control_socket_path(cfg: Config) -> str:
@@ -487,6 +547,9 @@ def _build(raw: dict[str, Any]) -> Config:
             base = msgspec.structs.asdict(merged[name]) if name in merged else {}
             merged[name] = _convert(base | table, ClassConfig, path)
         raw["classes"] = merged
+    tenants = raw.get("tenants", {})
+    if isinstance(tenants, dict):
+        raw["tenants"] = {n: _convert(t, TenantConfig, f"tenants.{n}") for n, t in tenants.items()}
     routes = raw.get("routes", {})
     if isinstance(routes, dict):
         raw["routes"] = {d.lower(): _convert(h, str, f"routes.{d}") for d, h in routes.items()}
@@ -565,10 +628,61 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"shaping.throttle_rules[{i}].match: invalid regex: {exc}") from None
     if cfg.dsn.klass not in cfg.classes:
         raise ConfigError(f"dsn.class: unknown class {cfg.dsn.klass!r}")
+    relays = {f"classes.{n}": c for n, c in cfg.classes.items()}
+    relays |= {f"tenants.{n}": t for n, t in cfg.tenants.items()}
+    for path, relay in relays.items():
+        _validate_relay(path, relay, cfg.delivery.port)
+    for name, klass in cfg.classes.items():
+        if klass.revalidate_after < 0:
+            raise ConfigError(f"classes.{name}.revalidate_after: must not be negative")
+        if klass.revalidate_after and not cfg.revalidate.url:
+            raise ConfigError(f"classes.{name}.revalidate_after: needs revalidate.url")
+    if cfg.revalidate.url:
+        _check("revalidate.url", _check_url, cfg.revalidate.url)
+    _validate_webhooks(cfg)
+    if cfg.api.address:
+        _check("api.address", lambda a: split_host_port(a, min_port=0), cfg.api.address)
     if len(retry.then) != 2:
         raise ConfigError(f"retry.then: expected two durations [min, max], got {len(retry.then)}")
     if retry.then[0] > retry.then[1]:
         raise ConfigError("retry.then: min is greater than max")
+
+
+def _check_url(url: str) -> None:
+    if re.fullmatch(r"https?://[^/\s]+(/\S*)?", url) is None:
+        raise ValueError(f"invalid URL {url!r} (expected http://host[:port]/path or https://...)")
+
+
+def _validate_relay(path: str, relay: RelayConfig, default_port: int) -> None:
+    if relay.relayhost:
+        _check(f"{path}.relayhost", split_host_port, relay.relayhost, default_port)
+    if relay.relay_user and not relay.relayhost:
+        raise ConfigError(f"{path}.relay_user: needs {path}.relayhost")
+    if bool(relay.relay_user) != bool(relay.relay_password_file):
+        missing = "relay_password_file" if relay.relay_user else "relay_user"
+        raise ConfigError(f"{path}.{missing}: required with the other AUTH key")
+
+
+def _validate_webhooks(cfg: Config) -> None:
+    names: set[str] = set()
+    for i, hook in enumerate(cfg.webhooks):
+        path = f"webhooks[{i}]"
+        _check(f"{path}.url", _check_url, hook.url)
+        if not hook.secret and not hook.secret_file:
+            raise ConfigError(f"{path}.secret: required (or secret_file): events are signed")
+        for kind in hook.events:
+            if kind not in EVENT_TYPES:
+                known = ", ".join(EVENT_TYPES)
+                raise ConfigError(f"{path}.events: unknown event type {kind!r} (known: {known})")
+        for klass in hook.classes:
+            if klass not in cfg.classes:
+                raise ConfigError(f"{path}.classes: unknown class {klass!r}")
+        name = hook.name or hook.url
+        if name in names:
+            raise ConfigError(f"{path}.name: {name!r} names another webhook too")
+        names.add(name)
+        if hook.timeout <= 0 or hook.max_age <= 0:
+            raise ConfigError(f"{path}: timeout and max_age must be more than 0s")
 
 
 def _override_value(text: str) -> Any:
