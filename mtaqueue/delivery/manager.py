@@ -1028,14 +1028,20 @@ class DeliveryManager:
 
     def delete(self, messages: list[Message]) -> int:
         """Remove messages without notice (an operator's decision, logged)."""
+        return self.cancel(messages, "deleted by operator")
+
+    def cancel(self, messages: list[Message], reason: str) -> int:
+        """Remove messages without a DSN: the operator's delete, the application's cancel
+        (API, revalidation). `reason` is journaled; any reason but "done" makes the
+        recipients not yet final "cancelled" events."""
         ids = {m.id for m in messages}
         self._unqueue(lambda item: item.message_id in ids)
         for message in messages:
             self._busy.pop(message.id, None)
             self._waits.pop(message.id, None)
             self._refusals.pop(message.id, None)
-            self._journal(self.spool.remove(message.id, "deleted by operator"), message.id)
-            log.info("deleted", id=message.id, sender=message.sender)
+            self._journal(self.spool.remove(message.id, reason), message.id)
+            log.info("deleted", id=message.id, sender=message.sender, reason=reason)
         return len(ids)
 
     def bounce(self, messages: list[Message]) -> int:
