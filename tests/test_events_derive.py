@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
@@ -58,7 +60,7 @@ def test_deferred_once_per_kind_not_once_per_retry() -> None:
     r2 = attempt(r1, grey, "transient", "greylisting", DEFERRED, T + 301)
     r3 = attempt(r2, "421 4.7.28 rate limited", "transient", "throttling", DEFERRED, T + 900)
     steps = [message(r) for r in (r0, r1, r2, r3)]
-    told = [derive.changed(a, b, T, ACTIONS) for a, b in zip(steps, steps[1:], strict=False)]
+    told = [derive.changed(a, b, T, ACTIONS) for a, b in itertools.pairwise(steps)]
     assert [types(e) for e in told] == [
         [("deferred", "bob@example.org")],
         [],
@@ -137,12 +139,10 @@ def test_any_run_of_attempts_tells_at_most_one_final_event(run) -> None:
             break
         r = attempt(r, reply, outcome, kind, state, T + i)
         steps.append(message(r))
-    told = [
-        e for a, b in zip(steps, steps[1:], strict=False) for e in derive.changed(a, b, T, ACTIONS)
-    ]
+    told = [e for a, b in itertools.pairwise(steps) for e in derive.changed(a, b, T, ACTIONS)]
     finals = [e for e in told if e.type in ("delivered", "bounced")]
     assert len(finals) == (1 if r.state in (DELIVERED, BOUNCED) else 0)
     deferrals = [e.kind for e in told if e.type == "deferred"]
     # Never the same kind twice in a row: one event per change of reason.
-    assert all(a != b for a, b in zip(deferrals, deferrals[1:], strict=False))
+    assert all(a != b for a, b in itertools.pairwise(deferrals))
     assert r.state != QUEUED
