@@ -123,9 +123,9 @@ class Daemon:
             address_order=d.address_order,
         )
         self.delivery = DeliveryManager(cfg, self.spool, self.resolver, self.hostname)
+        self.alerts = Alerts(cfg.alerts.rules)
         self.events = Dispatcher(self.spool.layout.events, lambda: self.spool.last_event)
         self.spool.on_events = self.events.wake
-        self.alerts = Alerts(cfg.alerts.rules)
         self.metrics = Metrics(
             Sources(
                 queue=lambda: self.spool.messages,  # open() replaces it
@@ -135,6 +135,7 @@ class Daemon:
                 free_bytes=lambda: self.spool.free_bytes,
                 journal_bytes=self.spool.journal_bytes,
                 alerts=self.alerts.active,
+                webhooks=self.events.view,
             ),
             top_n=cfg.metrics.top_destinations,
         )

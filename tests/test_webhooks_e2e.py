@@ -10,6 +10,7 @@ import json
 from collections import defaultdict
 
 from e2e_helpers import BODY, FAST, MailNet, events, wait_for
+from test_metrics_e2e import scrape
 from webhook_receiver import WebhookReceiver
 
 
@@ -69,13 +70,16 @@ def test_a_dead_endpoint_keeps_its_backlog_on_disk_and_gets_it_all_after_kill_9(
     with MailNet(["127.0.0.2"]) as net, WebhookReceiver() as receiver:
         net.add_domain("example.org", "127.0.0.2")
         receiver.status = 503
-        daemon = start(start_daemon, net, receiver)
+        daemon = start(start_daemon, net, receiver, "", "metrics.address=127.0.0.1:0")
         ids = [daemon.send("app@sender.test", [f"u{i}@example.org"], BODY) for i in range(30)]
         wait_for(lambda: not daemon.messages(), timeout=30, what="all mail delivered")
         wait_for(lambda: receiver.failed >= 2, what="the endpoint to be tried and fail")
         (row,) = [json.loads(line) for line in daemon.ctl("webhooks", "--json").stdout.splitlines()]
         assert row["name"] == "app" and row["backlog"] >= 60 and row["failures"] >= 2
         assert "503" in row["last_error"]
+        samples = scrape(daemon)
+        assert samples[("mtaqueue_webhook_backlog_events", (("webhook", "app"),))] >= 60
+        assert samples[("mtaqueue_webhook_oldest_event_age_seconds", (("webhook", "app"),))] > 0
         # Mail delivery went on while the endpoint failed: nothing waits for it.
         assert len(net.peers[0].messages) == 30
         daemon.kill()
