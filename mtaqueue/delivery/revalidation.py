@@ -126,8 +126,10 @@ class Revalidation:
             self._session = aiohttp.ClientSession(connector=connector)
         timeout = aiohttp.ClientTimeout(total=r.timeout)
         try:
+            # A redirect is not followed: a POST turned GET elsewhere would not be the
+            # question asked; it counts as an error (on_error).
             async with self._session.post(
-                r.url, data=body, headers=headers, timeout=timeout
+                r.url, data=body, headers=headers, timeout=timeout, allow_redirects=False
             ) as response:
                 await response.read()  # to the end, so that the connection is kept
                 return Answer(response.status)
