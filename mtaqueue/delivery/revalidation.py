@@ -28,7 +28,7 @@ from ..logs import get_logger
 from ..model import Message
 from ..policy.revalidate import SEND, Answer, decide, needs_check, pass_stale, request_body
 
-log = get_logger("revalidation")
+log = get_logger("delivery")
 
 MAX_IN_FLIGHT = 16  # requests to the endpoint at once
 _PRUNE_AT = 1024  # remembered go-aheads before the stale ones are looked for
