@@ -1006,7 +1006,7 @@ class DeliveryManager:
     def hold(self, messages: list[Message], reason: str = HELD_BY_OPERATOR) -> int:
         """Held mail is not attempted and does not expire until released."""
         ids = {m.id for m in messages if not m.held}
-        self._unqueue(lambda item: item.message_id in ids)
+        self._unqueue_messages(ids)
         now = time.time()
         for message_id in ids:
             held = with_hold(self.spool.messages[message_id], reason, now)
@@ -1074,7 +1074,7 @@ class DeliveryManager:
         (API, revalidation). `reason` is journaled; any reason but "done" makes the
         recipients not yet final "cancelled" events."""
         ids = {m.id for m in messages}
-        self._unqueue(lambda item: item.message_id in ids)
+        self._unqueue_messages(ids)
         for message in messages:
             self._busy.pop(message.id, None)
             self._waits.pop(message.id, None)
@@ -1150,6 +1150,14 @@ class DeliveryManager:
         async for message in walk(self.spool.messages):
             view.add(message)
         return view.entries()
+
+    def _unqueue_messages(self, ids: set[str]) -> None:
+        """Take these messages' items out of the ready queues. That looks at every item
+        queued, so only when one of them has recipients routed (an item in the core is
+        always of busy recipients): a revalidation's hold or cancel, one message at a time,
+        must not scan the whole active window each."""
+        if any(self._busy.get(i) for i in ids):
+            self._unqueue(lambda item: item.message_id in ids)
 
     def _unqueue(self, predicate: Callable[[WorkItem], bool]) -> None:
         for item in self._core.remove(time.time(), predicate):
