@@ -865,7 +865,6 @@ class DeliveryManager:
         self._unbusy(message_id, indexes)
         self._waits.pop(message_id, None)  # an attempt: internal waits count from here
         self._refusals.pop(message_id, None)  # ... and throttle refusals in a row
-        self.revalidation.attempted(message_id)  # ... and a retry is checked again
         message = self.spool.messages.get(message_id)
         if message is None:
             return

@@ -40,7 +40,7 @@ Decided = Callable[[str, list[int], str], None]
 class Revalidation:
     def __init__(self, cfg: config.Config, on_decided: Decided) -> None:
         self._on_decided = on_decided
-        # message id -> when an answer let it go, until an attempt uses it (`attempted`)
+        # message id -> when an answer let it go (it holds for PASS_VALID)
         self._passed: dict[str, float] = {}
         self._prune_at = _PRUNE_AT
         self._waiting: deque[tuple[Message, list[int]]] = deque()
@@ -75,10 +75,6 @@ class Revalidation:
             task = asyncio.get_running_loop().create_task(self._work())
             self._workers.add(task)
             task.add_done_callback(self._workers.discard)
-
-    def attempted(self, message_id: str) -> None:
-        """An attempt of the message was made: its next one asks again."""
-        self._passed.pop(message_id, None)
 
     async def close(self) -> None:
         """Stop checking (a stop): the messages waiting stay queued, as they were."""
@@ -143,6 +139,6 @@ class Revalidation:
     def _pass(self, message_id: str, now: float) -> None:
         self._passed[message_id] = now
         if len(self._passed) >= self._prune_at:
-            # Go-aheads of mail removed before its attempt (deleted, expired) would stay.
+            # Go-aheads no longer valid, of mail delivered or removed since, would stay.
             self._passed = {i: t for i, t in self._passed.items() if not pass_stale(t, now)}
             self._prune_at = max(_PRUNE_AT, 2 * len(self._passed))

@@ -8,11 +8,13 @@ message, anything else (another status, no answer in time, a refused connection)
 `revalidate.on_error`.
 
 An answer that lets the message go ("send", also after an error under on_error "send")
-holds for the attempt it came before, not for the message's life: the dispatch that
-follows, the other destinations of the same message and the uncharged waits before an
-attempt (every host suspended, a circuit that was open) do not ask again within
-`PASS_VALID`; once an attempt has been made (settled), a retry asks again, since hours
-may pass between retries and the application's state with them.
+holds for the attempt it came before, not for the message's life: for `PASS_VALID`. That
+covers the dispatch that follows, the message's other recipients and destinations (each
+recipient's retry has its own jitter, so those deferred by one attempt come due a little
+apart: asking for each would ask for every recipient) and our short waits before an
+attempt (every host suspended, an unexpected error: a minute). A retry comes at the
+soonest after retry.schedule's first step (5 minutes by default) and hours later at the
+end of it, and the application's state may change meanwhile: it asks again.
 """
 
 from __future__ import annotations
@@ -25,16 +27,16 @@ SEND = "send"
 CANCEL = "cancel"
 HOLD = "hold"
 
-# Seconds a "send" holds without an attempt being made: a message that waits longer
-# (internal waits, a long circuit-breaker pause) is asked again before it goes.
-PASS_VALID = 300.0
+# Seconds a "send" holds: longer than the jitter between recipients deferred together and
+# than our own waits (RECOVER_AFTER), shorter than the default retry schedule's first step.
+PASS_VALID = 60.0
 
 
 def needs_check(
     message: Message, now: float, revalidate_after: float, passed_at: float | None
 ) -> bool:
     """Whether `message` must be checked before being attempted at `now`. `passed_at`: when
-    the last answer that let it go came, if it has not been used by an attempt yet.
+    the last answer that let it go came, if any.
 
     Our own notices (DSNs, from the null sender) are never checked: the application did
     not send them and has nothing to say about them.
