@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from ..events.event import Event
 from ..ids import IdGenerator
 from ..logs import get_logger
 from ..model import Message
@@ -47,6 +48,7 @@ from .writer import (
     Adopt,
     Batch,
     BatchResult,
+    Emit,
     Op,
     Place,
     Remove,
@@ -117,6 +119,10 @@ class Spool:
         self.free_bytes = 0
         self.disk_ok = True  # above spool.min_free
         self.on_commit: Callable[[Message], None] | None = None
+        # Events: None = none are made; else each class's expiry action (writer.Batch).
+        self.events: dict[str, str] | None = None
+        self.last_event = 0  # seq of the newest event in the event log
+        self.on_events: Callable[[int], None] | None = None
         self._pending_keys: dict[str, asyncio.Future] = {}
         self._queue: list[tuple[Op, asyncio.Future]] = []
         self._inflight: list[tuple[Op, asyncio.Future]] | None = None
@@ -389,10 +395,17 @@ class Spool:
         if message.id in self.messages:
             self.messages.put(message)
 
-    def remove(self, queue_id: str, reason: str) -> asyncio.Future:
-        """Journal the end of a message, then delete its file (leaves the queue at once)."""
+    def remove(self, queue_id: str, reason: str, final: Message | None = None) -> asyncio.Future:
+        """Journal the end of a message, then delete its file (leaves the queue at once).
+        `final`: its last record, if that was not journaled (what its events tell)."""
         self.messages.pop(queue_id)
-        return self._enqueue(Remove(queue_id, reason))
+        return self._enqueue(Remove(queue_id, reason, final if self.events is not None else None))
+
+    def emit(self, events: list[Event]) -> None:
+        """Events that change no state, journaled and logged with the next batch (when
+        events are made at all); a failure is the writer's to log."""
+        if self.events is not None:
+            self._enqueue(Emit(events))
 
     def suppress(self, address: str, until: float, reason: str) -> asyncio.Future:
         return self._enqueue(Suppress(address.lower(), until, reason))
@@ -437,12 +450,12 @@ class Spool:
             return
         batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
         try:
-            payload = self._encoder.encode(Batch([op for op, _ in batch]))
+            payload = self._encoder.encode(Batch([op for op, _ in batch], self.events))
         except Exception:
             batch = self._encodable(batch)
             if not batch:
                 return
-            payload = self._encoder.encode(Batch([op for op, _ in batch]))
+            payload = self._encoder.encode(Batch([op for op, _ in batch], self.events))
         self._inflight = batch
         transport.write(frame(payload))
 
@@ -472,9 +485,15 @@ class Spool:
         batch, self._inflight = self._inflight or [], None
         self._progress = time.monotonic()
         try:
-            outcomes = self._decoder.decode(payload).outcomes
+            result = self._decoder.decode(payload)
         except msgspec.DecodeError:
             outcomes = []
+        else:
+            outcomes = result.outcomes
+            if result.last_event > self.last_event:
+                self.last_event = result.last_event
+                if self.on_events is not None:
+                    self.on_events(result.last_event)
         if len(outcomes) != len(batch):
             outcomes = [f"{ERROR}the spool writer could not read the batch"] * len(batch)
         try:
@@ -506,6 +525,8 @@ class Spool:
         elif isinstance(op, Unsuppress):
             self.suppressed.pop(op.address, None)
             result = op.address
+        elif isinstance(op, Emit):
+            result = None
         else:
             result = op.message.id
         if not future.done():
