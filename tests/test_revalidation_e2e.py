@@ -1,7 +1,8 @@
 """Revalidation before a late send, expiry that notifies, and the review queue, end to end:
 the daemon as a subprocess, a real DNS server and SMTP peers on loopback, and the
 application's revalidation endpoint as a real HTTP server in the test (http_endpoint.py)
-that checks each request's signature.
+that checks each request's signature, and its webhook receiver (webhook_receiver.py) for
+the events it compensates on.
 
 `example.org` (recipients) has its MX on 127.0.0.2; `sender.test` (where DSNs would go)
 on 127.0.0.9. Classes revalidate after 1 s, so a message's first attempt (at once) goes
@@ -17,6 +18,7 @@ import pytest
 from e2e_helpers import BODY, FAST, MailNet, events, wait_for
 from http_endpoint import HANG, HttpEndpoint
 from prometheus_client.parser import text_string_to_metric_families
+from webhook_receiver import WebhookReceiver
 
 SECRET = "app-shared-secret"
 
@@ -29,9 +31,11 @@ class World(MailNet):
         self.add_domain("example.net", "127.0.0.2", host="mx.example.org")
         self.add_domain("sender.test", "127.0.0.9")
         self.endpoint = HttpEndpoint(SECRET).start()
+        self.hooks = WebhookReceiver().start()
         self._start_daemon = start_daemon
 
     def daemon(self, *overrides: str):
+        hooks = f'[[webhooks]]\nurl = "{self.hooks.url}"\nsecret = "{self.hooks.secret}"\n'
         return self._start_daemon(
             *self.daemon_overrides(),
             *FAST,
@@ -39,6 +43,7 @@ class World(MailNet):
             f'revalidate.secret="{SECRET}"',
             "revalidate.timeout=0.5s",
             *overrides,
+            config=hooks,
         )
 
     def defer_first(self, *addresses: str) -> None:
@@ -48,8 +53,13 @@ class World(MailNet):
     def delivered_to(self, address: str) -> list:
         return [m for m in self.mx.messages if address in m.rcpt_tos]
 
+    def told(self, kind: str, message_id: str) -> list[dict]:
+        """The webhook events of `kind` about the message."""
+        return [e for e in self.hooks.of(kind) if e["message_id"] == message_id]
+
     def close(self) -> None:
         self.endpoint.stop()
+        self.hooks.stop()
         super().close()
 
 
@@ -98,6 +108,10 @@ def test_a_late_retry_asks_the_application_200_sends_and_410_cancels(world):
     (removed,) = [e for e in events(daemon, "deleted") if e["id"] == gone]
     assert removed["reason"] == "cancelled by revalidation"
     assert events(daemon, "revalidation_failed") == []
+    # What the application hears: the cancel, with its reason.
+    (cancelled,) = wait_for(lambda: world.told("cancelled", gone), what="the cancelled event")
+    assert cancelled["reason"] == "cancelled by revalidation"
+    assert len(wait_for(lambda: world.told("delivered", keep), what="delivered events")) == 3
 
 
 def test_mail_of_a_class_that_does_not_revalidate_is_not_checked(world):
@@ -129,6 +143,8 @@ def test_an_endpoint_that_does_not_answer_in_time_follows_on_error(world, on_err
     (entry,) = map(json.loads, daemon.ctl("review", "--json").stdout.splitlines())
     assert (entry["id"], entry["reason"]) == (queue_id, "revalidation")
     assert world.delivered_to("bob@example.org") == []
+    (told,) = wait_for(lambda: world.told("held", queue_id), what="the held event")
+    assert told["reason"] == "revalidation"
 
     # The application is back: released from review, it is asked again, and goes.
     world.endpoint.default = 200
@@ -171,8 +187,13 @@ def test_expiry_notify_sends_no_dsn_and_hold_puts_mail_in_review_with_its_alerts
     (expired,) = [e for e in events(daemon, "expired") if e["id"] == notified]
     assert expired["action"] == "notify" and expired["last_reply"].startswith("450 4.2.0")
     no_dsn(world, daemon)
+    # The application's cue to compensate: the expired event, with the action and reply.
+    (told,) = wait_for(lambda: world.told("expired", notified), what="the expired event")
+    assert told["action"] == "notify" and (told["code"], told["kind"]) == (450, "greylisting")
 
     wait_for(lambda: daemon.messages()[review]["held"], what="the hold at expiry")
+    (told,) = wait_for(lambda: world.told("held", review), what="the held event")
+    assert told["reason"] == "expired"
     (entry,) = map(json.loads, daemon.ctl("review", "--json").stdout.splitlines())
     assert (entry["id"], entry["class"], entry["reason"]) == (review, "p2", "expired")
     (rcpt,) = entry["recipients"]

@@ -140,6 +140,7 @@ def test_a_hard_bounce_and_a_refused_rcpt_are_suppressed_events(start_daemon):
         net.peers[0].on("rcpt", "550 5.1.1 no such user", rcpt="gone@example.org")
         daemon = start(start_daemon, net, receiver)
         daemon.send("app@sender.test", ["gone@example.org"], BODY)
+
         def gone() -> list[dict]:
             return [e for e in receiver.of("suppressed") if e["recipient"] == "gone@example.org"]
 
