@@ -101,3 +101,22 @@ def test_a_message_is_checked_only_when_late_and_not_let_go_recently(after, age,
     late = after > 0 and now - T0 >= after  # as the clock rounds them
     fresh_pass = passed_at is not None and now - passed_at < PASS_VALID
     assert checked == (late and not fresh_pass)
+
+
+def test_the_secret_file_is_read_when_the_settings_are_taken(tmp_path):
+    # The edge (delivery/revalidation.py) takes the settings at start and at each reload:
+    # an unreadable secret file is a config error then, not a failure at the first check.
+    from mtaqueue import config
+    from mtaqueue.delivery.revalidation import Revalidation
+
+    url = 'revalidate.url="http://127.0.0.1:9/check"'
+    missing = config.load(None, [url, f'revalidate.secret_file="{tmp_path / "none"}"'])
+    with pytest.raises(config.ConfigError, match=r"revalidate\.secret_file"):
+        Revalidation(missing, lambda *decided: None)
+    (tmp_path / "key").write_text("from-the-file\nignored\n")
+    good = config.load(None, [url, f'revalidate.secret_file="{tmp_path / "key"}"'])
+    revalidation = Revalidation(good, lambda *decided: None)
+    assert revalidation._secret == "from-the-file"
+    with pytest.raises(config.ConfigError):
+        revalidation.reconfigure(missing)
+    assert revalidation._secret == "from-the-file"  # a refused reload changes nothing
