@@ -19,6 +19,11 @@ Rules are msgspec structs the config embeds, picked by `type`; a rule names one 
   now more than at the start of that time and more than `over`. Sampled at each
   evaluation, so arrivals and deliveries within one interval net out.
 - spool_free: the spool's free space is under `under`.
+- review_size: more than `over` messages wait in the review queue (mail held for someone's
+  decision: at expiry, or when the application could not be asked; `mtaqueue-ctl review`).
+- review_oldest_age: the message longest in review has waited there more than `over`:
+  seed 004's "no review queue without an owner", the owner being paged when nobody acts.
+Both have the one subject "review".
 """
 
 from __future__ import annotations
@@ -79,7 +84,24 @@ class SpoolFree(_Rule, frozen=True, kw_only=True, tag="spool_free"):
         return self.under
 
 
-AlertRule = OldestAge | DeferralRate | DepthGrowing | SpoolFree
+class ReviewSize(_Rule, frozen=True, kw_only=True, tag="review_size"):
+    over: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    @property
+    def threshold(self) -> float:
+        return self.over
+
+
+class ReviewOldestAge(_Rule, frozen=True, kw_only=True, tag="review_oldest_age"):
+    over: config.Duration
+
+    @property
+    def threshold(self) -> float:
+        return self.over
+
+
+AlertRule = OldestAge | DeferralRate | DepthGrowing | SpoolFree | ReviewSize | ReviewOldestAge
+REVIEW = "review"  # the subject of the review rules
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +116,8 @@ class Snapshot:
     oldest: Mapping[str, float]  # class -> age in seconds of its oldest waiting message
     destinations: Mapping[str, DestinationStats]
     spool_free: int  # bytes
+    review_size: int = 0  # messages in the review queue
+    review_oldest_age: float = 0.0  # seconds the longest waiting there has waited; 0 = none
 
 
 @dataclass(slots=True)
@@ -210,6 +234,12 @@ class Alerts:
                     measured[name] = (round(seconds, 1), holds)
             case SpoolFree():
                 measured["spool"] = (snapshot.spool_free, snapshot.spool_free < rule.under)
+            case ReviewSize():
+                size = snapshot.review_size
+                measured[REVIEW] = (size, size > rule.over)
+            case ReviewOldestAge():
+                age = snapshot.review_oldest_age
+                measured[REVIEW] = (round(age, 1), age > rule.over)
         return measured
 
 

@@ -42,7 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.metrics import MetricWrapperBase
 
 from .alerts import DestinationStats, Snapshot
-from .control.views import recipient_state
+from .control.views import in_review, recipient_state
 from .logs import get_logger
 from .model import DEFERRED, QUEUED, Message
 from .policy.breaker import CLOSED, HALF_OPEN, OPEN
@@ -87,10 +87,15 @@ class _QueueTally:
     messages: Tally[str] = field(default_factory=Tally)  # class -> messages
     # class -> when the oldest message with recipients waiting (not held) arrived
     oldest: dict[str, float] = field(default_factory=dict)
+    review: int = 0  # messages in the review queue (control.views.in_review)
+    review_since: float = math.inf  # when the one that has waited longest went there
 
     def add(self, message: Message) -> None:
         klass = message.klass
         self.messages[klass] += 1
+        if in_review(message):
+            self.review += 1
+            self.review_since = min(self.review_since, message.held_at or message.created)
         waiting = False
         for rcpt in message.recipients:
             state = recipient_state(message, rcpt)
@@ -197,6 +202,8 @@ class Metrics:
                 for name in names
             },
             spool_free=self.sources.free_bytes(),
+            review_size=shape.queue.review,
+            review_oldest_age=_review_age(shape.queue, now),
         )
 
     def collect(self) -> Iterator[Metric]:
@@ -228,6 +235,16 @@ class Metrics:
             oldest.add_metric((klass,), 0.0 if created is None else now - created)
         yield messages
         yield oldest
+        yield GaugeMetricFamily(
+            "mtaqueue_review_messages",
+            "Messages held for someone's decision (mtaqueue-ctl review)",
+            value=shape.queue.review,
+        )
+        yield GaugeMetricFamily(
+            "mtaqueue_review_oldest_age_seconds",
+            "How long the message longest in review has waited there; 0 = none",
+            value=_review_age(shape.queue, now),
+        )
         yield from self._pacing(shape.destinations)
         hits, misses = self.sources.dns()
         dns = CounterMetricFamily(
@@ -421,6 +438,10 @@ def _webhooks(rows: Iterable[Mapping[str, Any]]) -> Iterator[Metric]:
         for key, family in families.items():
             family.add_metric((row["name"],), row[key] or 0)
     yield from families.values()
+
+
+def _review_age(tally: _QueueTally, now: float) -> float:
+    return now - tally.review_since if tally.review else 0.0
 
 
 def _per_destination(name: str, documentation: str) -> GaugeMetricFamily:

@@ -19,6 +19,15 @@ HELD = "held"
 RECIPIENT_STATES = (QUEUED, DEFERRED, DELIVERED, BOUNCED, EXPIRED, HELD)
 FINAL_STATES = frozenset({DELIVERED, BOUNCED, EXPIRED})
 
+# Why a message is held (Message.held_reason). The operator's holds are the operator's to
+# end; the others are mtaqueue's own, waiting for someone to decide: the review queue
+# (mtaqueue-ctl review), which alerts watch so that it never waits without an owner.
+HELD_BY_OPERATOR = "operator"  # mtaqueue-ctl hold (and "" in records older than the field)
+HELD_AT_EXPIRY = "expired"  # its class's expire_action is "hold"
+HELD_BY_REVALIDATION = "revalidation"  # the application could not be asked (on_error "hold")
+HELD_BY_ERROR = "error"  # its record could not be settled (a bug): kept for an operator
+REVIEW_REASONS = frozenset({HELD_AT_EXPIRY, HELD_BY_REVALIDATION, HELD_BY_ERROR})
+
 
 MAX_HISTORY = 20  # attempts kept per recipient (the oldest are dropped)
 
@@ -66,3 +75,17 @@ class Message(msgspec.Struct, frozen=True, array_like=True, gc=False):
     client: str = ""  # submitting client's IP address
     helo: str = ""
     held: bool = False
+    held_reason: str = ""  # while held: one of the HELD_* above ("" = an older record's hold)
+    held_at: float | None = None  # while held: since when (epoch seconds)
+
+
+def with_hold(message: Message, reason: str, now: float) -> Message:
+    """The message held for `reason` from `now`; one already held keeps its reason and time
+    (an operator's hold of mail in review leaves it in review)."""
+    if message.held:
+        return message
+    return msgspec.structs.replace(message, held=True, held_reason=reason, held_at=now)
+
+
+def without_hold(message: Message) -> Message:
+    return msgspec.structs.replace(message, held=False, held_reason="", held_at=None)

@@ -17,6 +17,8 @@ from mtaqueue.alerts import (
     DepthGrowing,
     DestinationStats,
     OldestAge,
+    ReviewOldestAge,
+    ReviewSize,
     Snapshot,
     SpoolFree,
 )
@@ -152,12 +154,38 @@ def test_a_reload_keeps_the_alerts_of_rules_that_stay_and_clears_the_others():
     assert alerts.evaluate(60, snap({"p0": 160.0}, free=1)) == []
 
 
+def test_the_review_queue_alerts_on_its_size_and_on_its_longest_wait():
+    alerts = Alerts([ReviewSize(over=2), ReviewOldestAge(name="review_stale", over=3600.0)])
+    assert alerts.evaluate(0, Snapshot({}, {}, GIB, review_size=2, review_oldest_age=60)) == []
+    [event] = alerts.evaluate(10, Snapshot({}, {}, GIB, review_size=3, review_oldest_age=70))
+    assert event == {
+        "event": "alert",
+        "name": "review_size",
+        "state": FIRING,
+        "subject": "review",
+        "value": 3,
+        "threshold": 2,
+    }
+    # Nobody acted for an hour: the owner is paged, once.
+    [event] = alerts.evaluate(20, Snapshot({}, {}, GIB, review_size=3, review_oldest_age=3601))
+    assert (event["name"], event["state"], event["value"]) == ("review_stale", FIRING, 3601)
+    assert alerts.evaluate(30, Snapshot({}, {}, GIB, review_size=3, review_oldest_age=4000)) == []
+    assert alerts.active() == [("review_size", "review"), ("review_stale", "review")]
+    events = alerts.evaluate(40, snap())  # the review queue emptied
+    assert states(events) == [
+        ("review_size", "review", CLEARED),
+        ("review_stale", "review", CLEARED),
+    ]
+
+
 def test_rules_decode_from_the_config_with_its_units():
     raw = [
         {"type": "oldest_age", "class": "p0", "over": "15m"},
         {"type": "deferral_rate", "over": 0.3, "window": "10m", "name": "gmail_4xx"},
         {"type": "depth_growing", "destination": "mx.example", "for": "30m", "over": 100},
         {"type": "spool_free", "under": "1GiB"},
+        {"type": "review_size", "over": 50},
+        {"type": "review_oldest_age", "over": "4h"},
     ]
     rules = config._convert(raw, list[AlertRule], "alerts.rules")
     assert rules == [
@@ -165,6 +193,8 @@ def test_rules_decode_from_the_config_with_its_units():
         DeferralRate(name="gmail_4xx", over=0.3, window=600.0),
         DepthGrowing(destination="mx.example", period=1800.0, over=100),
         SpoolFree(under=GIB),
+        ReviewSize(over=50),
+        ReviewOldestAge(over=4 * 3600.0),
     ]
     with pytest.raises(config.ConfigError, match=r"alerts\.rules\[0\]\.over: expected float"):
         config._convert(
@@ -185,6 +215,8 @@ RULES = [
     DeferralRate(name="a_4xx", destination="a", over=0.2, window=30.0, min_attempts=1),
     DepthGrowing(period=60.0, over=2),
     SpoolFree(under=100),
+    ReviewSize(over=1),
+    ReviewOldestAge(over=60.0),
 ]
 
 
@@ -196,7 +228,9 @@ def snapshots(draw) -> Snapshot:
         attempts = draw(st.integers(0, 50))
         deferrals = draw(st.integers(0, attempts))
         destinations[name] = stats(draw(st.integers(0, 20)), attempts, deferrals)
-    return Snapshot(oldest, destinations, draw(st.integers(0, 200)))
+    review = draw(st.integers(0, 3))
+    age = draw(st.floats(0, 120)) if review else 0.0
+    return Snapshot(oldest, destinations, draw(st.integers(0, 200)), review, age)
 
 
 reloads = st.lists(st.sampled_from(RULES), unique=True).map(lambda rules: ("reload", rules))

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 from loop_ticks import ticks_during
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -19,7 +20,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from mtaqueue import config
 from mtaqueue.delivery.destination import Destination
 from mtaqueue.metrics import OTHER, Metrics, Sources, serve
-from mtaqueue.model import DEFERRED, DELIVERED, QUEUED, Message, Recipient
+from mtaqueue.model import (
+    DEFERRED,
+    DELIVERED,
+    HELD_AT_EXPIRY,
+    HELD_BY_OPERATOR,
+    HELD_BY_REVALIDATION,
+    QUEUED,
+    Message,
+    Recipient,
+)
 from mtaqueue.policy.backoff import RetryPolicy
 from mtaqueue.policy.classify import classify
 from mtaqueue.policy.replies import Reply
@@ -284,6 +294,39 @@ def test_the_alert_snapshot_has_every_destination_by_name():
     net = snapshot.destinations["mx.example.net"]
     assert (net.depth, net.attempts, net.deferrals) == (2, 2, 1)
     assert snapshot.destinations[GMAIL].depth == 1
+
+
+def test_the_review_queue_is_measured_for_alerts_and_scrapes():
+    state = State()
+    expired = msgspec.structs.replace(
+        message("A", "p2", 7200, ("a@example.net", DEFERRED)),
+        held=True,
+        held_reason=HELD_AT_EXPIRY,
+        held_at=NOW - 600,
+    )
+    unasked = msgspec.structs.replace(
+        message("B", "p1", 300, ("b@example.net", DEFERRED)),
+        held=True,
+        held_reason=HELD_BY_REVALIDATION,
+        held_at=NOW - 60,
+    )
+    by_operator = msgspec.structs.replace(
+        message("C", "p2", 9000, ("c@example.net", DEFERRED)),
+        held=True,
+        held_reason=HELD_BY_OPERATOR,
+        held_at=NOW - 9000,
+    )  # the operator's own: not in review
+    state.messages = [expired, unasked, by_operator, message("D", "p1", 5, ("d@x.net", QUEUED))]
+    metrics = state.metrics()
+    asyncio.run(metrics.refresh())
+    snapshot = metrics.snapshot(NOW)
+    assert (snapshot.review_size, snapshot.review_oldest_age) == (2, 600.0)
+    found = samples(metrics)
+    assert value(found, "mtaqueue_review_messages") == 2
+    assert value(found, "mtaqueue_review_oldest_age_seconds") == 600.0
+    state.messages = []
+    asyncio.run(metrics.refresh())
+    assert value(samples(metrics), "mtaqueue_review_oldest_age_seconds") == 0
 
 
 def test_measuring_a_large_queue_lets_the_event_loop_run(monkeypatch):

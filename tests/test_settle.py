@@ -380,8 +380,33 @@ def test_look_ahead_hold_holds_the_message():
     assert out.message.held
     assert (new.state, new.next_attempt) == (DEFERRED, None)  # kept, but not scheduled
     assert out.failed == []
-    assert out.events[0] == {"event": "expired_held", "id": "m1", "rcpt": "bob@example.net"}
+    assert (out.message.held_reason, out.message.held_at) == ("expired", T0)  # for review
+    assert out.events[0] == {
+        "event": "expired_held",
+        "id": "m1",
+        "rcpt": "bob@example.net",
+        "action": "hold",
+        "last_reply": new.last_reply,
+    }
     assert not out.finished
+
+
+def test_look_ahead_notify_sends_no_dsn_and_says_so_in_its_event():
+    s = settings(lifetime=30, expire_action="notify")
+    out = run(message(), got(0, TEMP), now=T0, settings=s)
+    (new,) = out.message.recipients
+    assert new.state == EXPIRED and not out.message.held
+    assert out.failed == [] and out.delayed == []
+    expired = [e for e in out.events if e["event"] == "expired"]
+    assert expired[0]["action"] == "notify" and expired[0]["last_reply"] == new.last_reply
+    assert out.finished
+
+
+def test_expiry_at_the_sweep_with_notify_sends_no_dsn():
+    msg = message(rcpt(state=DEFERRED, attempts=1, last_reply="451 4.3.0 busy"))
+    out = expire_due(msg, T0 + 31, settings(lifetime=30, expire_action="notify"))
+    assert out is not None and out.failed == []
+    assert out.events[0]["action"] == "notify" and out.events[0]["last_reply"] == "451 4.3.0 busy"
 
 
 # -- several recipients ------------------------------------------------------------------------

@@ -58,4 +58,23 @@ def queue_commands(
         for row in shape.rows(top):
             yield row
 
-    return {"status": status, "list": list_, "show": show, "qshape": qshape_}
+    async def review(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """The review queue (views.in_review), longest waiting first."""
+        klass = args.get("class")
+        found: list[tuple[tuple[float, float, str], str]] = []
+        async for msg in walk(queue()):
+            if views.in_review(msg) and klass in (None, msg.klass):
+                found.append((views.review_order(msg), msg.id))
+        now = time.time()
+        for _, queue_id in sorted(found):
+            msg = queue().get(queue_id)
+            if msg is not None and views.in_review(msg):  # still: the walk took a while
+                yield views.review_json(msg, now)
+
+    return {
+        "status": status,
+        "list": list_,
+        "show": show,
+        "qshape": qshape_,
+        "review": review,
+    }

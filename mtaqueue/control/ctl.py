@@ -185,6 +185,48 @@ def _no_options(parser: argparse.ArgumentParser) -> None:
     pass
 
 
+# review
+
+
+def _review_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--class", dest="klass", metavar="CLASS", help="only this class")
+
+
+def _review_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "review", {"class": args.klass} if args.klass else {}
+
+
+REVIEW_REASONS = {
+    "expired": "expired (held for review)",
+    "revalidation": "the application could not be asked",
+    "error": "an error of ours (see the log)",
+}
+
+
+def _review_show(reply: Reply, out: TextIO) -> None:
+    count = 0
+    longest = 0.0
+    for msg in reply:
+        count += 1
+        longest = max(longest, msg["waiting"])
+        reason = REVIEW_REASONS.get(msg["reason"], msg["reason"])
+        out.write(
+            f"{msg['id']} {msg['class']:<4} {msg['sender'] or '<>'}  age {_duration(msg['age'])},"
+            f" in review {_duration(msg['waiting'])}: {reason}\n"
+        )
+        for rcpt in msg["recipients"]:
+            line = f"    {rcpt['address']}  {rcpt['state']}"
+            if attempts := rcpt["attempts"]:
+                line += f", {attempts} attempt{'s' if attempts > 1 else ''}"
+            if rcpt["cause"]:
+                line += f", cause {rcpt['cause']}"
+            if rcpt["last_reply"]:
+                line += f": {rcpt['last_reply']}"
+            out.write(line + "\n")
+    tail = f", the longest {_duration(longest)}" if count else ""
+    out.write(f"-- {count} message{'s' if count != 1 else ''} in review{tail}\n")
+
+
 def _suppress_options(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = actions.add_parser("list", help="addresses refused at RCPT TO, and why")
@@ -223,6 +265,9 @@ def _select_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenant")
     parser.add_argument("--state", choices=RECIPIENT_STATES, help="a recipient in this state")
     parser.add_argument("--older-than", metavar="DURATION", help="e.g. 2h")
+    parser.add_argument(
+        "--review", action="store_const", const=True, help="messages in review (see review)"
+    )
     parser.add_argument("--all", action="store_true", help="every message")
 
 
@@ -235,6 +280,7 @@ def _select_request(command: str) -> Callable[[argparse.Namespace], tuple[str, d
             "tenant": args.tenant,
             "state": args.state,
             "older_than": args.older_than,
+            "review": args.review,
             "all": args.all,
         }
         return command, selection
@@ -437,6 +483,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "status": Subcommand("counts and daemon info", _no_options, _status_request, _status_show),
     "list": Subcommand("one entry per queued message", _list_options, _list_request, _list_show),
     "show": Subcommand("every field of one message", _show_options, _show_request, _show_show),
+    "review": Subcommand(
+        "mail held for someone's decision (at expiry...), longest waiting first",
+        _review_options,
+        _review_request,
+        _review_show,
+    ),
     "hold": Subcommand(
         "keep messages from delivery (and expiry)",
         _select_options,

@@ -27,7 +27,7 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
         if not selector and not args.get("all"):
             raise CommandError(
                 "name messages: queue ids, --domain, --class, --tenant, --state,"
-                " --older-than or --all"
+                " --older-than, --review or --all"
             )
         if "older_than" in selector:
             try:

@@ -11,7 +11,14 @@ from typing import Any
 
 import msgspec
 
-from mtaqueue.model import FINAL_STATES, HELD, RECIPIENT_STATES, Message, Recipient
+from mtaqueue.model import (
+    FINAL_STATES,
+    HELD,
+    RECIPIENT_STATES,
+    REVIEW_REASONS,
+    Message,
+    Recipient,
+)
 
 
 class Filters(msgspec.Struct, forbid_unknown_fields=True, rename={"klass": "class"}):
@@ -22,6 +29,7 @@ class Filters(msgspec.Struct, forbid_unknown_fields=True, rename={"klass": "clas
     domain: str | None = None  # some recipient's domain, case-insensitive
     sender: str | None = None  # case-insensitive; "" or "<>" is the null sender
     held: bool | None = None
+    review: bool | None = None  # held by mtaqueue for someone's decision (`in_review`)
     tenant: str | None = None
     ids: list[str] | None = None  # any of these queue ids
     older_than: float | None = None  # created more than this many seconds before `now`
@@ -40,6 +48,8 @@ def message_json(msg: Message) -> dict[str, Any]:
         "created": msg.created,
         "size": msg.size,
         "held": msg.held,
+        "held_reason": msg.held_reason if msg.held else None,
+        "held_at": msg.held_at if msg.held else None,
         "expires": msg.expires,
         "tenant": msg.tenant,
         "envid": msg.envid,
@@ -62,6 +72,48 @@ def message_json(msg: Message) -> dict[str, Any]:
                     {"time": a.time, "reply": a.reply, "mx": a.mx, "outcome": a.outcome}
                     for a in r.history
                 ],
+            }
+            for r in msg.recipients
+        ],
+    }
+
+
+def in_review(msg: Message) -> bool:
+    """Held by mtaqueue itself, for someone to decide (model.REVIEW_REASONS): at expiry,
+    when the application could not be asked, after an error of ours. An operator's hold
+    is not: its owner is the operator who made it."""
+    return msg.held and msg.held_reason in REVIEW_REASONS
+
+
+def review_order(msg: Message) -> tuple[float, float, str]:
+    """`mtaqueue-ctl review` lists what has waited longest first."""
+    return (msg.held_at or msg.created, msg.created, msg.id)
+
+
+def review_json(msg: Message, now: float) -> dict[str, Any]:
+    """One entry of `mtaqueue-ctl review`: what a reviewer needs to decide, without
+    `show`: why it is held, for how long, and per recipient its last reply and the
+    cause (the kind of its last attempt, policy/classify.py: greylisting, mailbox...)."""
+    since = msg.held_at or msg.created
+    return {
+        "id": msg.id,
+        "class": msg.klass,
+        "sender": msg.sender,
+        "tenant": msg.tenant,
+        "idempotency_key": msg.idempotency_key,
+        "created": msg.created,
+        "age": round(now - msg.created, 1),
+        "reason": msg.held_reason,
+        "held_at": msg.held_at,
+        "waiting": round(now - since, 1),  # in review
+        "recipients": [
+            {
+                "address": r.address,
+                "state": recipient_state(msg, r),
+                "attempts": r.attempts,
+                "last_attempt": r.last_attempt,
+                "last_reply": r.last_reply,
+                "cause": r.history[-1].kind if r.history else None,
             }
             for r in msg.recipients
         ],
@@ -104,6 +156,8 @@ def matches(msg: Message, filters: Filters) -> bool:
     if filters.tenant is not None and msg.tenant != filters.tenant:
         return False
     if filters.held is not None and msg.held != filters.held:
+        return False
+    if filters.review is not None and in_review(msg) != filters.review:
         return False
     if filters.sender is not None:
         sender = "" if filters.sender == "<>" else filters.sender

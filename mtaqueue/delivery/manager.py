@@ -26,7 +26,16 @@ from .. import config
 from ..dsn import DsnParams
 from ..dsn import notice as dsn_notice
 from ..logs import get_logger
-from ..model import DEFERRED, QUEUED, Message
+from ..model import (
+    DEFERRED,
+    HELD_BY_ERROR,
+    HELD_BY_OPERATOR,
+    HELD_BY_REVALIDATION,
+    QUEUED,
+    Message,
+    with_hold,
+    without_hold,
+)
 from ..policy import rate_learner
 from ..policy.backoff import RetryPolicy, restart_due
 from ..policy.breaker import CLOSED
@@ -35,6 +44,7 @@ from ..policy.classify import compile_rules
 from ..policy.fairness import class_order
 from ..policy.hosts import HostSuspensions
 from ..policy.replies import Reply
+from ..policy.revalidate import CANCEL, HOLD
 from ..policy.settle import (
     Result,
     Settlement,
@@ -66,6 +76,7 @@ from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool, StorageError, StorageFull
 from ..spool.walk import WALK_CHUNK, chunks, walk
 from .destination import Destination, DestinationsView, WorkItem, destination_key
+from .revalidation import Revalidation
 from .sender import Sender, Suspended
 
 log = get_logger("delivery")
@@ -112,6 +123,7 @@ class DeliveryManager:
         self.core: Scheduler[WorkItem] | None = None
         self.on_delivery: Callable[[dict], None] | None = None  # each "delivery" event
         self.on_connect: Callable[[str, float], None] | None = None  # destination, seconds
+        self.revalidation = Revalidation(cfg, self._revalidated)
         self.reconfigure(cfg)
         self._overrides: dict[str, Callable[[DestinationShaper, float], None]] = {}
         self._links: dict[int, _Link] = {}  # the core's slots, by connection id
@@ -139,6 +151,7 @@ class DeliveryManager:
         anything. Destinations keep their state unless their pacing changed."""
         d = cfg.delivery
         rules = compile_rules(d.rules)
+        self.revalidation.reconfigure(cfg)
         now = time.time()
         client = ClientSettings(d.helo_name or self.hostname, d.timeouts, d.tls)
         self.sender = Sender(client, rules, self.hosts, d)
@@ -263,6 +276,7 @@ class DeliveryManager:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.revalidation.close()
         if self._started:
             self._save_learned(self._learned_data(time.time()))
 
@@ -465,6 +479,13 @@ class DeliveryManager:
                 groups.setdefault(hop, []).append(i)
         if not groups and not busy:
             del self._busy[message_id]
+            return
+        if groups and self.revalidation.wanted(message, now):
+            # Late mail is checked with the application first (policy/revalidate.py): its
+            # due recipients are set aside meanwhile, holding no connection slot.
+            pending = sorted(i for indexes in groups.values() for i in indexes)
+            busy.update(pending)
+            self.revalidation.ask(message, pending)
             return
         for hop, indexes in groups.items():
             busy.update(indexes)
@@ -770,7 +791,7 @@ class DeliveryManager:
             message = self.spool.messages.get(message_id)
             if message is not None:
                 with contextlib.suppress(Exception):  # logged above; it waits for a restart
-                    held = msgspec.structs.replace(message, held=True)
+                    held = with_hold(message, HELD_BY_ERROR, time.time())
                     self._journal(self.spool.update(held), message_id)
 
     def _changed(self, destination: Destination, after: ShaperState, released: int) -> None:
@@ -981,12 +1002,13 @@ class DeliveryManager:
 
     # -- operations (mtaqueue-ctl) --------------------------------------------------------
 
-    def hold(self, messages: list[Message]) -> int:
+    def hold(self, messages: list[Message], reason: str = HELD_BY_OPERATOR) -> int:
         """Held mail is not attempted and does not expire until released."""
         ids = {m.id for m in messages if not m.held}
-        self._unqueue(lambda item: item.message_id in ids)
+        self._unqueue_messages(ids)
+        now = time.time()
         for message_id in ids:
-            held = msgspec.structs.replace(self.spool.messages[message_id], held=True)
+            held = with_hold(self.spool.messages[message_id], reason, now)
             self._journal(self.spool.update(held), message_id)
         return len(ids)
 
@@ -995,7 +1017,7 @@ class DeliveryManager:
         count = 0
         for message in messages:
             if message.held:
-                released = msgspec.structs.replace(message, held=False)
+                released = without_hold(message)
                 self._journal(self.spool.update(released), message.id)
                 self._schedule(message.id, _earliest_due(released) or 0.0)
                 count += 1
@@ -1030,12 +1052,28 @@ class DeliveryManager:
         """Remove messages without notice (an operator's decision, logged)."""
         return self.cancel(messages, "deleted by operator")
 
+    def _revalidated(self, message_id: str, indexes: list[int], decision: str) -> None:
+        """The application's answer about a message set aside for it (delivery/revalidation.py):
+        its recipients go on to routing, or it is cancelled (no DSN: the application said
+        the mail no longer holds) or held for review. A message deleted, held or bounced
+        meanwhile stays as the operator left it."""
+        self._unbusy(message_id, indexes)
+        message = self.spool.messages.get(message_id)
+        if message is None or message.held or self._closing:
+            return
+        if decision == CANCEL:
+            self.cancel([message], "cancelled by revalidation")
+        elif decision == HOLD:
+            self.hold([message], HELD_BY_REVALIDATION)
+        else:  # the go-ahead is remembered: this dispatch is not checked again
+            self._route_due([message_id])
+
     def cancel(self, messages: list[Message], reason: str) -> int:
         """Remove messages without a DSN: the operator's delete, the application's cancel
         (API, revalidation). `reason` is journaled; any reason but "done" makes the
         recipients not yet final "cancelled" events."""
         ids = {m.id for m in messages}
-        self._unqueue(lambda item: item.message_id in ids)
+        self._unqueue_messages(ids)
         for message in messages:
             self._busy.pop(message.id, None)
             self._waits.pop(message.id, None)
@@ -1111,6 +1149,14 @@ class DeliveryManager:
         async for message in walk(self.spool.messages):
             view.add(message)
         return view.entries()
+
+    def _unqueue_messages(self, ids: set[str]) -> None:
+        """Take these messages' items out of the ready queues. That looks at every item
+        queued, so only when one of them has recipients routed (an item in the core is
+        always of busy recipients): a revalidation's hold or cancel, one message at a time,
+        must not scan the whole active window each."""
+        if any(self._busy.get(i) for i in ids):
+            self._unqueue(lambda item: item.message_id in ids)
 
     def _unqueue(self, predicate: Callable[[WorkItem], bool]) -> None:
         for item in self._core.remove(time.time(), predicate):

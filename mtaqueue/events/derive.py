@@ -53,7 +53,8 @@ def changed(
         events.extend(_recipient(after, old, new, now, expire_actions))
     if after.held and not before.held:
         events.extend(
-            _event(HELD, after, r, now, reason="held")
+            # Why (model.HELD_*): "expired" and "revalidation" are the review queue's.
+            _event(HELD, after, r, now, reason=after.held_reason or "held")
             for r in after.recipients
             if r.state not in FINAL_STATES
         )

@@ -20,10 +20,12 @@ from ..model import (
     DELIVERED,
     EXPIRED,
     FINAL_STATES,
+    HELD_AT_EXPIRY,
     MAX_HISTORY,
     Attempt,
     Message,
     Recipient,
+    with_hold,
 )
 from .backoff import RetryPolicy, expires_before, expiry, next_attempt
 from .classify import RECIPIENT, THROTTLING, TRANSIENT, Verdict
@@ -39,7 +41,7 @@ THROTTLE_REQUEUES = 5
 class SettleSettings:
     retry: RetryPolicy
     lifetime: float  # of the message's class
-    expire_action: str  # bounce, discard or hold
+    expire_action: str  # bounce, discard, hold or notify
     delay_after: float
     delay_without_notify: bool
 
@@ -207,11 +209,22 @@ def _expire(
     settings: SettleSettings,
     out: Settlement,
 ) -> Recipient:
-    if settings.expire_action == "hold":
-        out.message = msgspec.structs.replace(out.message, held=True)
-        out.events.append({"event": "expired_held", "id": message.id, "rcpt": rcpt.address})
+    if settings.expire_action == "hold":  # for review (mtaqueue-ctl review)
+        out.message = with_hold(out.message, HELD_AT_EXPIRY, now)
+        out.events.append(
+            {
+                "event": "expired_held",
+                "id": message.id,
+                "rcpt": rcpt.address,
+                "action": "hold",
+                "last_reply": rcpt.last_reply,
+            }
+        )
         return msgspec.structs.replace(rcpt, next_attempt=None)
     expired = msgspec.structs.replace(rcpt, state=EXPIRED, next_attempt=None)
+    # Only "bounce" tells the sender. "discard" and "notify" send nothing: the "expired"
+    # event (its action says which) is the record, and for "notify" the application's
+    # cue to compensate (the events' webhook carries it).
     if settings.expire_action == "bounce" and wants_notice(message, expired, "failed"):
         # The DSN carries the last real reply; 4.4.7 only when there was none.
         status = status or _status_of(rcpt.last_reply) or "4.4.7"
