@@ -24,13 +24,16 @@ Rules are msgspec structs the config embeds, picked by `type`; a rule names one 
 - review_oldest_age: the message longest in review has waited there more than `over`:
   seed 004's "no review queue without an owner", the owner being paged when nobody acts.
 Both have the one subject "review".
+- webhook_backlog: the oldest event a webhook endpoint has not taken is older than `over`
+  (the endpoint is down or too slow; at its `max_age` events start being dropped). The
+  subject is the webhook's name.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import msgspec
@@ -100,7 +103,24 @@ class ReviewOldestAge(_Rule, frozen=True, kw_only=True, tag="review_oldest_age")
         return self.over
 
 
-AlertRule = OldestAge | DeferralRate | DepthGrowing | SpoolFree | ReviewSize | ReviewOldestAge
+class WebhookBacklog(_Rule, frozen=True, kw_only=True, tag="webhook_backlog"):
+    webhook: str = "*"
+    over: config.Duration
+
+    @property
+    def threshold(self) -> float:
+        return self.over
+
+
+AlertRule = (
+    OldestAge
+    | DeferralRate
+    | DepthGrowing
+    | SpoolFree
+    | ReviewSize
+    | ReviewOldestAge
+    | WebhookBacklog
+)
 REVIEW = "review"  # the subject of the review rules
 
 
@@ -118,6 +138,7 @@ class Snapshot:
     spool_free: int  # bytes
     review_size: int = 0  # messages in the review queue
     review_oldest_age: float = 0.0  # seconds the longest waiting there has waited; 0 = none
+    webhooks: Mapping[str, float] = field(default_factory=dict)  # name -> oldest event's age
 
 
 @dataclass(slots=True)
@@ -240,6 +261,10 @@ class Alerts:
             case ReviewOldestAge():
                 age = snapshot.review_oldest_age
                 measured[REVIEW] = (round(age, 1), age > rule.over)
+            case WebhookBacklog():
+                for name in _subjects(rule.webhook, snapshot.webhooks):
+                    age = snapshot.webhooks[name]
+                    measured[name] = (round(age, 1), age > rule.over)
         return measured
 
 

@@ -204,6 +204,7 @@ class Metrics:
             spool_free=self.sources.free_bytes(),
             review_size=shape.queue.review,
             review_oldest_age=_review_age(shape.queue, now),
+            webhooks={w["name"]: w["oldest_age"] or 0.0 for w in self.sources.webhooks()},
         )
 
     def collect(self) -> Iterator[Metric]:

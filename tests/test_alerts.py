@@ -21,6 +21,7 @@ from mtaqueue.alerts import (
     ReviewSize,
     Snapshot,
     SpoolFree,
+    WebhookBacklog,
 )
 
 GIB = 2**30
@@ -178,6 +179,16 @@ def test_the_review_queue_alerts_on_its_size_and_on_its_longest_wait():
     ]
 
 
+def test_a_webhook_backlog_alerts_while_its_oldest_event_waits_too_long():
+    alerts = Alerts([WebhookBacklog(over=900.0)])
+    hooks = {"app": 100.0, "crm": 0.0}
+    assert alerts.evaluate(0, Snapshot({}, {}, GIB, webhooks=hooks)) == []
+    [event] = alerts.evaluate(10, Snapshot({}, {}, GIB, webhooks={"app": 901.0, "crm": 0.0}))
+    assert (event["name"], event["subject"], event["state"]) == ("webhook_backlog", "app", FIRING)
+    [event] = alerts.evaluate(20, Snapshot({}, {}, GIB, webhooks={"app": 0.0, "crm": 0.0}))
+    assert (event["subject"], event["state"]) == ("app", CLEARED)
+
+
 def test_rules_decode_from_the_config_with_its_units():
     raw = [
         {"type": "oldest_age", "class": "p0", "over": "15m"},
@@ -186,6 +197,7 @@ def test_rules_decode_from_the_config_with_its_units():
         {"type": "spool_free", "under": "1GiB"},
         {"type": "review_size", "over": 50},
         {"type": "review_oldest_age", "over": "4h"},
+        {"type": "webhook_backlog", "webhook": "app", "over": "15m"},
     ]
     rules = config._convert(raw, list[AlertRule], "alerts.rules")
     assert rules == [
@@ -195,6 +207,7 @@ def test_rules_decode_from_the_config_with_its_units():
         SpoolFree(under=GIB),
         ReviewSize(over=50),
         ReviewOldestAge(over=4 * 3600.0),
+        WebhookBacklog(webhook="app", over=900.0),
     ]
     with pytest.raises(config.ConfigError, match=r"alerts\.rules\[0\]\.over: expected float"):
         config._convert(
