@@ -70,7 +70,15 @@ def test_a_dead_endpoint_keeps_its_backlog_on_disk_and_gets_it_all_after_kill_9(
     with MailNet(["127.0.0.2"]) as net, WebhookReceiver() as receiver:
         net.add_domain("example.org", "127.0.0.2")
         receiver.status = 503
-        daemon = start(start_daemon, net, receiver, "", "metrics.address=127.0.0.1:0")
+        daemon = start(
+            start_daemon,
+            net,
+            receiver,
+            "",
+            "metrics.address=127.0.0.1:0",
+            "alerts.interval=0.3s",
+            'alerts.rules=[{type="webhook_backlog", over="1s"}]',
+        )
         ids = [daemon.send("app@sender.test", [f"u{i}@example.org"], BODY) for i in range(30)]
         wait_for(lambda: not daemon.messages(), timeout=30, what="all mail delivered")
         wait_for(lambda: receiver.failed >= 2, what="the endpoint to be tried and fail")
@@ -80,6 +88,12 @@ def test_a_dead_endpoint_keeps_its_backlog_on_disk_and_gets_it_all_after_kill_9(
         samples = scrape(daemon)
         assert samples[("mtaqueue_webhook_backlog_events", (("webhook", "app"),))] >= 60
         assert samples[("mtaqueue_webhook_oldest_event_age_seconds", (("webhook", "app"),))] > 0
+        (alert,) = wait_for(lambda: events(daemon, "alert"), what="the backlog alert")
+        assert (alert["name"], alert["subject"], alert["state"]) == (
+            "webhook_backlog",
+            "app",
+            "firing",
+        )
         # Mail delivery went on while the endpoint failed: nothing waits for it.
         assert len(net.peers[0].messages) == 30
         daemon.kill()
