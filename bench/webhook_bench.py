@@ -72,13 +72,14 @@ def receiver_status(status: int) -> None:
         r.read()
 
 
-def dead_endpoint(args, workdir: Path, sink: SmtpSink, n: int) -> None:
-    """N messages delivered while the endpoint fails; then it comes back."""
+def dead_endpoint(args, workdir: Path, sink: SmtpSink, n: int, webhook: bool = True) -> None:
+    """N messages delivered while the endpoint fails; then it comes back. Without
+    `webhook`: the same delivery with no endpoint, the memory's baseline."""
     host, port = SINK.split(":")
     workdir.mkdir(parents=True)
     config = workdir / "mtaqueue.toml"
     hook = f'[[webhooks]]\nurl = "http://127.0.0.1:{HOOK_PORT}/hook"\nsecret = "{SECRET}"\n'
-    config.write_text(hook)
+    config.write_text(hook if webhook else "")
     os.environ["MTAQUEUE_CONFIG"] = str(config)
     receiver_status(503)
     mq = Mtaqueue(workdir / "spool", MTAQUEUE_PORT, f"delivery.relayhost=[{host}]:{port}")
@@ -92,6 +93,13 @@ def dead_endpoint(args, workdir: Path, sink: SmtpSink, n: int) -> None:
             lambda: sink.count() - base >= n and mq.queued() == 0,
         )
         after = sum(settled_rss(watch, 20))
+        if not webhook:
+            print(
+                f"no webhook, {n} messages: daemon+writer RSS {before / 1024:.0f} MiB before,"
+                f" {after / 1024:.0f} MiB after ({(after - before) / 1024:+.0f} MiB)",
+                flush=True,
+            )
+            return
         log_bytes = sum(p.stat().st_size for p in (workdir / "spool" / "events").glob("*.log"))
         receiver_status(204)
         back = time.monotonic()
@@ -160,6 +168,7 @@ def main() -> None:
         with work_directory("mtaqueue-webhook-bench-") as workdir, SmtpSink(SINK) as sink:
             if args.dead:
                 for n in args.dead:
+                    dead_endpoint(args, workdir / f"plain{n}", sink, n, webhook=False)
                     dead_endpoint(args, workdir / f"dead{n}", sink, n)
                 return
             for n in range(args.rounds):
