@@ -39,7 +39,7 @@ from . import journal
 from .durable import is_disk_full
 from .layout import SpoolLayout
 from .message_file import MessageFileWriter, read_content
-from .records import MessageMap, Suppress, Unsuppress
+from .records import MessageMap, Suppress, Unsuppress, dedupe_key
 from .writer import (
     ERROR,
     FULL,
@@ -111,7 +111,7 @@ class Spool:
         self._compact_size = compact_size
         self.dedupe_window = dedupe_window
         self.messages = MessageMap()  # the queue, held encoded (records.py)
-        self.keys: dict[str, tuple[str, float]] = {}  # idempotency key -> (id, created)
+        self.keys: dict[str, tuple[str, float]] = {}  # dedupe_key -> (id, created)
         self.suppressed: dict[str, Suppress] = {}  # lower-cased address -> entry
         self.ids = IdGenerator()
         self.free_bytes = 0
@@ -343,14 +343,23 @@ class Spool:
         """A new message to write as its content arrives (data too large to hold)."""
         return IncomingMessage(self, message)
 
+    def known_key(self, key: str, tenant: str | None, now: float) -> str | None:
+        """The id of the message accepted with this idempotency key (of this tenant)
+        within the dedupe window before `now`, if any; it may have left the queue since."""
+        return self._seen(dedupe_key(key, tenant) or key, now)
+
+    def _seen(self, indexed: str, now: float) -> str | None:
+        seen = self.keys.get(indexed)
+        return seen[0] if seen is not None and seen[1] + self.dedupe_window > now else None
+
     def _new(self, op: Accept | Place) -> asyncio.Future:
         message = op.message
-        key = message.idempotency_key
+        key = dedupe_key(message.idempotency_key, message.tenant)
         if key is not None:
-            seen = self.keys.get(key)
-            if seen is not None and seen[1] + self.dedupe_window > message.created:
+            seen = self._seen(key, message.created)
+            if seen is not None:
                 future = asyncio.get_running_loop().create_future()
-                future.set_result(seen[0])
+                future.set_result(seen)
                 return future
             pending = self._pending_keys.get(key)
             if pending is not None:
@@ -513,8 +522,9 @@ class Spool:
         if isinstance(op, Accept | Adopt | Place):  # durable: queued, whoever still waits
             message = op.message
             self.messages.put(message)
-            if message.idempotency_key is not None:
-                self.keys[message.idempotency_key] = (message.id, message.created)
+            key = dedupe_key(message.idempotency_key, message.tenant)
+            if key is not None:
+                self.keys[key] = (message.id, message.created)
             if self.on_commit is not None:
                 self.on_commit(message)
 
@@ -525,7 +535,7 @@ class Spool:
 
     def _forget_pending_key(self, op: Op, future: asyncio.Future) -> None:
         if isinstance(op, Accept | Adopt | Place):
-            key = op.message.idempotency_key
+            key = dedupe_key(op.message.idempotency_key, op.message.tenant)
             if key is not None and self._pending_keys.get(key) is future:
                 del self._pending_keys[key]
 
