@@ -32,6 +32,7 @@ from .control.operations import operation_commands
 from .control.server import ControlServer
 from .control.suppression import suppression_commands
 from .delivery.manager import DeliveryManager
+from .http_server import HttpServer
 from .logs import configure_logging, get_logger
 from .metrics import Metrics, Sources
 from .metrics import serve as serve_metrics
@@ -230,8 +231,7 @@ class Daemon:
         watchdog.cancel()
         alerting.cancel()
         if metrics_server is not None:
-            metrics_server.close()
-            await metrics_server.wait_closed()
+            await metrics_server.close()
         await control.close()
         clean = await self.spool.close(max(deadline - time.monotonic(), 1.0))
         log.info("stopped", accepted=listener.accepted)
@@ -270,13 +270,12 @@ class Daemon:
         configure_logging(new.log.level, new.log.format)
         log.info("reloaded")
 
-    async def _serve_metrics(self) -> asyncio.Server | None:
+    async def _serve_metrics(self) -> HttpServer | None:
         if not self.cfg.metrics.address:
             return None
         host, port = config.split_host_port(self.cfg.metrics.address, min_port=0)
         server = await serve_metrics(self.metrics, host, port)
-        bound = [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets]
-        log.info("metrics_listening", address=bound)
+        log.info("metrics_listening", address=server.addresses)
         return server
 
     async def _evaluate_alerts(self) -> None:
