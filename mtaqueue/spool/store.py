@@ -343,10 +343,11 @@ class Spool:
         """A new message to write as its content arrives (data too large to hold)."""
         return IncomingMessage(self, message)
 
-    def known_key(self, key: str, tenant: str | None, now: float) -> str | None:
-        """The id of the message accepted with this idempotency key (of this tenant)
-        within the dedupe window before `now`, if any; it may have left the queue since."""
-        return self._seen(dedupe_key(key, tenant) or key, now)
+    def key_holder(self, key: str, tenant: str | None) -> str | None:
+        """The id of the newest message accepted with this idempotency key (of this
+        tenant) while the index still has it; it may have left the queue since."""
+        seen = self.keys.get(dedupe_key(key, tenant) or key)
+        return None if seen is None else seen[0]
 
     def _seen(self, indexed: str, now: float) -> str | None:
         seen = self.keys.get(indexed)
@@ -454,6 +455,13 @@ class Spool:
             payload = self._encoder.encode(Batch([op for op, _ in batch]))
         self._inflight = batch
         transport.write(frame(payload))
+
+    async def committed(self) -> None:
+        """Until every change asked for so far is answered by the writer (durable, or
+        failed): for one made by someone else's call (the delivery manager's)."""
+        pending = [future for _, future in (*self._queue, *(self._inflight or ()))]
+        if pending:
+            await asyncio.wait(pending)
 
     async def drained(self) -> None:
         """Until fewer than a batch of changes wait to be sent: a bulk change waits here
