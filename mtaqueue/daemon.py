@@ -27,6 +27,8 @@ import uvloop
 
 from . import __version__, config
 from .alerts import Alerts
+from .api.server import Api, ApiDeps
+from .api.tokens import Tokens, load_tokens
 from .control.commands import queue_commands
 from .control.operations import operation_commands
 from .control.server import ControlServer
@@ -106,6 +108,7 @@ class Daemon:
         self.listener_settings = listener_settings(cfg, self.hostname)
         self.tls = _tls_context(cfg)
         self.credentials = _credentials(cfg)
+        self.api_tokens, self.api_token_warnings = _api_tokens(cfg)
         self.spool = Spool(
             cfg.spool.path,
             min_free=cfg.spool.min_free.bytes_for,
@@ -139,6 +142,7 @@ class Daemon:
         self.started = time.time()
         self._stop = asyncio.Event()
         self._stall_limit = 0.0  # seconds without a commit while work waits: unhealthy
+        self.api: Api | None = None  # while the API is served
         self._was_healthy = True
 
     def _suppressed(self, address: str) -> str | None:
@@ -183,10 +187,12 @@ class Daemon:
         delivery = self.delivery
         if self.cfg.delivery.enabled:
             self.spool.on_commit = delivery.on_accepted
+        metrics_server = api_server = None
         try:
             await listener.start()
             await control.start()
             metrics_server = await self._serve_metrics()
+            api_server = await self._serve_api()
             if self.cfg.delivery.enabled:
                 delivery.start()
             else:
@@ -194,6 +200,9 @@ class Daemon:
         except (OSError, RuntimeError, StorageError) as exc:
             log.error("startup_failed", error=str(exc))
             await listener.close(0)
+            for server in (metrics_server, api_server):
+                if server is not None:
+                    await server.close()
             await self.spool.close(self.cfg.spool.shutdown_grace)
             return EXIT_RUNTIME
         self.listener = listener
@@ -225,7 +234,11 @@ class Daemon:
         # listener and delivery finish side by side, the spool commits what they
         # leave in the time that remains (at least a second).
         deadline = time.monotonic() + grace
-        await asyncio.gather(listener.close(grace), delivery.close(grace))
+        # The API's requests under way finish as the listener's sessions do.
+        closing = [listener.close(grace), delivery.close(grace)]
+        if api_server is not None:
+            closing.append(api_server.close())
+        await asyncio.gather(*closing)
         sweep.cancel()
         free_space.cancel()
         watchdog.cancel()
@@ -246,6 +259,7 @@ class Daemon:
         try:
             new = self._load()
             settings = listener_settings(new, self.hostname)
+            tokens, token_warnings = _api_tokens(new)
             self.delivery.reconfigure(new)
         except config.ConfigError as exc:
             log.error("reload_failed", error=str(exc))
@@ -255,6 +269,7 @@ class Daemon:
             "spool.path": (self.cfg.spool.path, new.spool.path),
             "control.socket": (self.cfg.control.socket, new.control.socket),
             "metrics.address": (self.cfg.metrics.address, new.metrics.address),
+            "api.address": (self.cfg.api.address, new.api.address),
             "delivery.enabled": (self.cfg.delivery.enabled, new.delivery.enabled),
             "listen.tls_cert": (self.cfg.listen.tls_cert, new.listen.tls_cert),
             "listen.auth_file": (self.cfg.listen.auth_file, new.listen.auth_file),
@@ -262,8 +277,12 @@ class Daemon:
         for key, (old, value) in restart_only.items():
             if old != value:
                 log.warning("reload_needs_restart", key=key)
+        self.listener_settings = settings  # the API's, at its next request
         if hasattr(self, "listener"):
             self.listener.reconfigure(settings)
+        if self.api is not None and tokens is not None:
+            self.api.tokens = tokens
+            self._warn_about_tokens(tokens, token_warnings)
         self._log_alerts(self.alerts.reconfigure(new.alerts.rules))
         self.metrics.top_n = new.metrics.top_destinations
         self.cfg = new
@@ -277,6 +296,33 @@ class Daemon:
         server = await serve_metrics(self.metrics, host, port)
         log.info("metrics_listening", address=server.addresses)
         return server
+
+    async def _serve_api(self) -> HttpServer | None:
+        if not self.cfg.api.address or self.api_tokens is None:
+            return None
+        self.api = Api(
+            ApiDeps(
+                spool=self.spool,
+                delivery=self.delivery,
+                settings=lambda: self.listener_settings,
+                rcpt_check=self._suppressed,
+                suppression_ttl=lambda: self.cfg.suppression.ttl,
+            ),
+            self.api_tokens,
+        )
+        host, port = config.split_host_port(self.cfg.api.address, min_port=0)
+        app = self.api.app()
+        server = await HttpServer(app, grace=self.cfg.spool.shutdown_grace).start(host, port)
+        log.info("api_listening", address=server.addresses, tokens=len(self.api_tokens))
+        self._warn_about_tokens(self.api_tokens, self.api_token_warnings)
+        return server
+
+    @staticmethod
+    def _warn_about_tokens(tokens: Tokens, warnings: list[str]) -> None:
+        for warning in warnings:
+            log.warning("api_tokens_file", key="api.tokens_file", warning=warning)
+        if not len(tokens):
+            log.warning("api_no_tokens", key="api.tokens_file", effect="every request is a 401")
 
     async def _evaluate_alerts(self) -> None:
         while True:
@@ -422,6 +468,16 @@ def _tls_context(cfg: config.Config) -> ssl.SSLContext | None:
     except (OSError, ssl.SSLError) as exc:
         raise config.ConfigError(f"listen.tls_cert: cannot load certificate/key: {exc}") from None
     return context
+
+
+def _api_tokens(cfg: config.Config) -> tuple[Tokens | None, list[str]]:
+    """The API's tokens and warnings about their file; None while the API is off."""
+    if not cfg.api.address:
+        return None, []
+    try:
+        return load_tokens(cfg.api.tokens_file)
+    except (OSError, ValueError) as exc:
+        raise config.ConfigError(f"api.tokens_file: {exc}") from None
 
 
 def _credentials(cfg: config.Config) -> Credentials | None:

@@ -353,11 +353,17 @@ class Spool:
         seen = self.keys.get(indexed)
         return seen[0] if seen is not None and seen[1] + self.dedupe_window > now else None
 
+    def duplicate_of(self, message: Message) -> str | None:
+        """The id a new message is answered with if its idempotency key (of its tenant) was
+        accepted within the dedupe window: the first message's."""
+        key = dedupe_key(message.idempotency_key, message.tenant)
+        return None if key is None else self._seen(key, message.created)
+
     def _new(self, op: Accept | Place) -> asyncio.Future:
         message = op.message
         key = dedupe_key(message.idempotency_key, message.tenant)
         if key is not None:
-            seen = self._seen(key, message.created)
+            seen = self.duplicate_of(message)
             if seen is not None:
                 future = asyncio.get_running_loop().create_future()
                 future.set_result(seen)
