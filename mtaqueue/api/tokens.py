@@ -1,9 +1,10 @@
 """The API's bearer tokens: `api.tokens_file`, one `TOKEN [TENANT]` a line.
 
 A token bound to a tenant submits as that tenant and sees only its mail; an unbound
-token is the operator's and sees everything. Tokens are kept as SHA-256 digests and a
-presented token is compared with every one of them by `hmac.compare_digest`, so neither
-the time taken nor the memory held tells anything about a token.
+token is the operator's and sees everything. Tokens are kept as SHA-256 digests (of one
+length, whatever the token's) and a presented token is compared with every one of them
+by `hmac.compare_digest`, without stopping at a match: the time taken tells nothing
+about which token matched, or how much of one.
 """
 
 from __future__ import annotations
