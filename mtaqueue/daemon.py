@@ -21,7 +21,7 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 
 import uvloop
 
@@ -34,6 +34,8 @@ from .control.operations import operation_commands
 from .control.server import ControlServer
 from .control.suppression import suppression_commands
 from .delivery.manager import DeliveryManager
+from .events import derive
+from .events.dispatch import Dispatcher
 from .http_server import HttpServer
 from .logs import configure_logging, get_logger
 from .metrics import Metrics, Sources
@@ -45,6 +47,7 @@ from .smtp.addresses import qualified_hostname
 from .smtp.auth import Credentials, hash_password, load_auth_file
 from .smtp.listener import Listener, ListenerSettings
 from .smtp.server_session import SessionSettings
+from .spool import event_log
 from .spool.store import RecoveryReport, Spool, SpoolLocked, StorageError
 from .spool.sweep import sweep
 from .submission import SubmissionSettings
@@ -125,6 +128,8 @@ class Daemon:
         )
         self.delivery = DeliveryManager(cfg, self.spool, self.resolver, self.hostname)
         self.alerts = Alerts(cfg.alerts.rules)
+        self.events = Dispatcher(self.spool.layout.events, lambda: self.spool.last_event)
+        self.spool.on_events = self.events.wake
         self.metrics = Metrics(
             Sources(
                 queue=lambda: self.spool.messages,  # open() replaces it
@@ -134,6 +139,7 @@ class Daemon:
                 free_bytes=lambda: self.spool.free_bytes,
                 journal_bytes=self.spool.journal_bytes,
                 alerts=self.alerts.active,
+                webhooks=self.events.view,
             ),
             top_n=cfg.metrics.top_destinations,
         )
@@ -147,9 +153,11 @@ class Daemon:
 
     def _suppressed(self, address: str) -> str | None:
         """The RCPT TO refusal for a suppressed address (the listener's check)."""
-        entry = self.spool.suppression(address, time.time())
+        now = time.time()
+        entry = self.spool.suppression(address, now)
         if entry is None:
             return None
+        self.spool.emit([derive.suppressed(address, f"refused at RCPT: {entry.reason}", now)])
         until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(entry.until))
         reason = " ".join(entry.reason.split())[:200]
         return f"550 5.1.1 <{address}>: suppressed after a hard bounce until {until} ({reason})"
@@ -171,6 +179,7 @@ class Daemon:
             skipped_frames=report.skipped_frames,
             seconds=round(report.seconds, 3),
         )
+        self.spool.last_event = event_log.last_seq(self.spool.layout.events)
         listener = Listener(
             self.listener_settings,
             self.spool,
@@ -181,6 +190,7 @@ class Daemon:
         commands = queue_commands(lambda: self.spool.messages, self.info)
         commands |= suppression_commands(self.spool, self.cfg.suppression.ttl)
         commands |= operation_commands(self.delivery, self.spool)
+        commands["webhooks"] = self._webhooks
         control = ControlServer(
             config.control_socket_path(self.cfg), self.cfg.control.mode, commands
         )
@@ -189,6 +199,7 @@ class Daemon:
             self.spool.on_commit = delivery.on_accepted
         metrics_server = api_server = None
         try:
+            self._configure_events(self.cfg)
             await listener.start()
             await control.start()
             metrics_server = await self._serve_metrics()
@@ -239,6 +250,7 @@ class Daemon:
         if api_server is not None:
             closing.append(api_server.close())
         await asyncio.gather(*closing)
+        await self.events.close()
         sweep.cancel()
         free_space.cancel()
         watchdog.cancel()
@@ -260,8 +272,9 @@ class Daemon:
             new = self._load()
             settings = listener_settings(new, self.hostname)
             tokens, token_warnings = _api_tokens(new)
+            self._configure_events(new)
             self.delivery.reconfigure(new)
-        except config.ConfigError as exc:
+        except (config.ConfigError, OSError) as exc:
             log.error("reload_failed", error=str(exc))
             return
         restart_only = {
@@ -288,6 +301,16 @@ class Daemon:
         self.cfg = new
         configure_logging(new.log.level, new.log.format)
         log.info("reloaded")
+
+    def _configure_events(self, cfg: config.Config) -> None:
+        """Make events only while a webhook wants them (raises OSError: a secret_file)."""
+        self.events.configure(cfg.webhooks)
+        actions = {name: c.expire_action for name, c in cfg.classes.items()}
+        self.spool.events = actions if cfg.webhooks else None
+
+    async def _webhooks(self, args: dict) -> AsyncGenerator[dict, None]:
+        for row in self.events.view():
+            yield row
 
     async def _serve_metrics(self) -> HttpServer | None:
         if not self.cfg.metrics.address:

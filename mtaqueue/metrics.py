@@ -76,6 +76,7 @@ class Sources:
     free_bytes: Callable[[], int]  # on the spool's file system
     journal_bytes: Callable[[], int]
     alerts: Callable[[], Iterable[tuple[str, str]]]  # firing (alert, subject): Alerts.active
+    webhooks: Callable[[], Iterable[Mapping[str, Any]]] = tuple  # events.Dispatcher.view
 
 
 @dataclass(slots=True)
@@ -252,6 +253,7 @@ class Metrics:
         for name, subject in sorted(set(self.sources.alerts())):
             alerts.add_metric((name, subject), 1)
         yield alerts
+        yield from _webhooks(self.sources.webhooks())
         for metric in (self._attempts, self._latency, self._connect):
             yield from metric.collect()
 
@@ -375,6 +377,37 @@ async def serve(metrics: Metrics, host: str, port: int) -> HttpServer:
     app = web.Application()
     app.router.add_route("*", "/{path:.*}", handle)
     return await HttpServer(app).start(host, port)
+
+
+def _webhooks(rows: Iterable[Mapping[str, Any]]) -> Iterator[Metric]:
+    """Each webhook endpoint (events.Dispatcher.view), by its name."""
+    families = {
+        "backlog": GaugeMetricFamily(
+            "mtaqueue_webhook_backlog_events",
+            "Events in the log the endpoint has not taken yet",
+            labels=("webhook",),
+        ),
+        "oldest_age": GaugeMetricFamily(
+            "mtaqueue_webhook_oldest_event_age_seconds",
+            "Age of the oldest event the endpoint has not taken (0: none waiting)",
+            labels=("webhook",),
+        ),
+        "failures": GaugeMetricFamily(
+            "mtaqueue_webhook_failures", "Failed POSTs in a row", labels=("webhook",)
+        ),
+        "sent": CounterMetricFamily(
+            "mtaqueue_webhook_events_sent", "Events the endpoint took", labels=("webhook",)
+        ),
+        "dropped": CounterMetricFamily(
+            "mtaqueue_webhook_events_dropped",
+            "Events dropped: not taken within max_age",
+            labels=("webhook",),
+        ),
+    }
+    for row in rows:
+        for key, family in families.items():
+            family.add_metric((row["name"],), row[key] or 0)
+    yield from families.values()
 
 
 def _per_destination(name: str, documentation: str) -> GaugeMetricFamily:

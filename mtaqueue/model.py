@@ -45,7 +45,7 @@ class Recipient(msgspec.Struct, frozen=True, array_like=True, gc=False):
     last_reply: str | None = None  # "550 5.1.1 <a@b>: no such user", or a network error
     last_attempt: float | None = None
     remote_mta: str | None = None  # host that gave last_reply, for DSNs' Remote-MTA
-    delay_notified: bool = False  # the one "delayed" DSN has been sent
+    delay_notified: bool = False  # past dsn.delay_after: the one delay DSN (if wanted) and event
     history: tuple[Attempt, ...] = ()  # the last MAX_HISTORY attempts, oldest first
 
 

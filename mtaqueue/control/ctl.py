@@ -330,6 +330,24 @@ def _domains_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "domains", {}
 
 
+def _webhooks_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "webhooks", {}
+
+
+def _webhooks_show(reply: Reply, out: TextIO) -> None:
+    rows = list(reply)
+    if not rows:
+        out.write("no webhooks configured\n")
+    for w in rows:
+        age = w.get("oldest_age")
+        waiting = f", oldest {age:.0f} s old" if age is not None else ""
+        out.write(f"{w['name']}  {w['url']}\n")
+        out.write(f"  backlog  {w['backlog']} events{waiting}\n")
+        out.write(f"  sent     {w['sent']}, dropped (too old) {w['dropped']}\n")
+        if w.get("failures"):
+            out.write(f"  failing  {w['failures']} times in a row: {w['last_error']}\n")
+
+
 def _limit_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--domain", required=True, help="a domain or a destination name")
     parser.add_argument("--rate", help="messages per minute, or e.g. 100/min, 5/s")
@@ -458,6 +476,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "top": Subcommand("live view of the busiest destinations", _top_options, None, None, _top),
     "domains": Subcommand(
         "state of each destination", _no_options, _domains_request, _domains_show
+    ),
+    "webhooks": Subcommand(
+        "each webhook endpoint: its backlog, failures and last error",
+        _no_options,
+        _webhooks_request,
+        _webhooks_show,
     ),
     "limit": Subcommand(
         "runtime rate/concurrency for a destination", _limit_options, _limit_request, _steer_show

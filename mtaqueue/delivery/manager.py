@@ -901,7 +901,7 @@ class DeliveryManager:
                 self._journal_when_noticed(message, finished, waits)
             )
         elif finished:
-            self._journal(self.spool.remove(message.id, "done"), message.id)
+            self._journal(self.spool.remove(message.id, "done", message), message.id)
         else:
             self._journal(self.spool.update(message), message.id)
         due = None if finished else _earliest_due(message)
@@ -931,7 +931,7 @@ class DeliveryManager:
             log.error("original_kept", id=message.id, reason="its DSN could not be queued")
             return False
         if finished:
-            self._journal(self.spool.remove(message.id, "done"), message.id)
+            self._journal(self.spool.remove(message.id, "done", message), message.id)
         elif self._noticing.get(message.id) is None:  # the latest record: journal it
             latest = self.spool.messages.get(message.id)
             if latest is not None:

@@ -244,11 +244,12 @@ def _delay_notices(
     for i, rcpt in enumerate(recipients):
         if rcpt.state != DEFERRED or rcpt.delay_notified:
             continue
+        # The moment passes once, notice or not: the application's "delayed" event.
+        recipients[i] = msgspec.structs.replace(rcpt, delay_notified=True)
         if not wants_notice(
             message, rcpt, "delayed", delay_without_notify=settings.delay_without_notify
         ):
             continue
-        recipients[i] = msgspec.structs.replace(rcpt, delay_notified=True)
         status = statuses.get(i) or _transient(_status_of(rcpt.last_reply)) or "4.0.0"
         out.delayed.append(_report(rcpt, "delayed", status, now, retry_until=expires_at))
     out.message = msgspec.structs.replace(out.message, recipients=tuple(recipients))

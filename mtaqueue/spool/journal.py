@@ -58,7 +58,15 @@ _decoder = msgspec.msgpack.Decoder(Record)
 
 def encode(rec: Record | Stored) -> bytes:
     """One framed record (a Stored is framed as the Put it was read from)."""
-    payload = PUT_PREFIX + rec.data if type(rec) is Stored else _encoder.encode(rec)
+    return frame(payload_of(rec))
+
+
+def payload_of(rec: Record | Stored) -> bytes:
+    return PUT_PREFIX + rec.data if type(rec) is Stored else _encoder.encode(rec)
+
+
+def frame(payload: bytes) -> bytes:
+    """A payload framed: length, crc32, payload (the event log's frames too)."""
     if len(payload) > MAX_PAYLOAD:
         # Replay would take it for a damaged frame and skip it.
         raise ValueError(f"journal record of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
@@ -326,6 +334,7 @@ def replay(
     *,
     repair: bool = True,
     segments: list[tuple[Path, BinaryIO | OSError]] | None = None,
+    noted_after: int | None = None,
 ) -> ReplayResult:
     """Rebuild the state from the journal, cutting a torn tail off the last segment.
 
@@ -333,6 +342,7 @@ def replay(
     repair=False nothing on disk is changed (a second reader of a journal that its
     owner has already repaired, or one that repairs later: `cut_torn_tail`).
     `segments`: the journal's, opened by `open_segments` (else they are opened here).
+    `noted_after`: keep the events numbered above it (JournalState.noted).
 
     Segments are read newest first, so that those older than the last snapshot are
     never read; each is replayed into a state of its own, on which the state of the
@@ -340,13 +350,15 @@ def replay(
     """
     opened = open_segments(directory) if segments is None else segments
     try:
-        return _replay(opened, repair)
+        return _replay(opened, repair, noted_after)
     finally:
         if segments is None:
             close_segments(opened)
 
 
-def _replay(opened: list[tuple[Path, BinaryIO | OSError]], repair: bool) -> ReplayResult:
+def _replay(
+    opened: list[tuple[Path, BinaryIO | OSError]], repair: bool, noted_after: int | None
+) -> ReplayResult:
     paths = [path for path, _ in opened]
     state: JournalState | None = None  # of the segments read so far
     damage: list[list[str]] = []  # per segment read, newest first
@@ -354,7 +366,7 @@ def _replay(opened: list[tuple[Path, BinaryIO | OSError]], repair: bool) -> Repl
     segments = count = dropped = skipped_frames = skipped_bytes = intact_end = 0
     for index in range(len(paths) - 1, -1, -1):
         path, file = opened[index]
-        older = JournalState()
+        older = JournalState(noted_after)
         lines: list[str] = []
         damage.append(lines)
         try:
@@ -393,7 +405,7 @@ def _replay(opened: list[tuple[Path, BinaryIO | OSError]], repair: bool) -> Repl
             obsolete = paths[:index]
             break
     return ReplayResult(
-        state=state if state is not None else JournalState(),
+        state=state if state is not None else JournalState(noted_after),
         segments=segments,
         records=count,
         dropped_bytes=dropped,

@@ -15,6 +15,7 @@ MESSAGE_DIR = "msg"
 JOURNAL_DIR = "journal"
 QUARANTINE_DIR = "quarantine"
 LOCK_FILE = "lock"
+EVENTS_DIR = "events"  # the event log and the endpoints' cursors (event_log.py)
 LEARNED_FILE = "learned.json"  # what destinations taught the shapers (statefile.py)
 TMP_SUFFIX = ".tmp"
 
@@ -25,6 +26,7 @@ class SpoolLayout:
         self.messages = self.root / MESSAGE_DIR
         self.journal = self.root / JOURNAL_DIR
         self.quarantine = self.root / QUARANTINE_DIR
+        self.events = self.root / EVENTS_DIR
         self.lock = self.root / LOCK_FILE
         self.learned = self.root / LEARNED_FILE
 
@@ -48,7 +50,7 @@ class SpoolLayout:
         top, which closes everything below it.
         """
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for path in (self.root, self.journal, self.quarantine, self.messages):
+        for path in (self.root, self.journal, self.quarantine, self.messages, self.events):
             path.mkdir(mode=0o700, exist_ok=True)
             if path.stat().st_mode & 0o777 != 0o700:
                 path.chmod(0o700)

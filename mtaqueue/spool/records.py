@@ -59,7 +59,22 @@ class Unsuppress(msgspec.Struct, tag=5, array_like=True, frozen=True, gc=False):
     address: str
 
 
-Record = Put | Delete | KeyKept | SnapshotDone | Suppress | Unsuppress
+class Noted(msgspec.Struct, tag=6, array_like=True, frozen=True, gc=False):
+    """A change and the events it made, in one frame: a crash keeps both or neither.
+
+    `record` is the change's own payload (a Put, a Delete...: as it would be framed
+    alone), or empty for events that change no state (an address refused at RCPT).
+    The events, msgpack `Event`s numbered first_seq, first_seq + 1, ..., are also
+    appended to the event log (event_log.py), from which they are sent; the journal's
+    copy is what rebuilds the log's tail after a crash. Snapshots drop the wrapper.
+    """
+
+    first_seq: int
+    events: list[bytes]
+    record: bytes
+
+
+Record = Put | Delete | KeyKept | SnapshotDone | Suppress | Unsuppress | Noted
 
 # A Put's payload is [0, Message]: a fixarray of two, then tag 0, then the Message.
 PUT_PREFIX = b"\x92\x00"
@@ -185,8 +200,13 @@ class JournalState:
     that (`SpoolWriter._bury`), snapshots carry the Delete.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, noted_after: int | None = None) -> None:
         self.messages = MessageMap()
+        # Events: the newest seq read, and (for the writer, rebuilding the event log's
+        # tail) the encoded events numbered above `noted_after`, in order.
+        self.last_event_seq = 0
+        self.noted_after = noted_after
+        self.noted: list[bytes] = []
         self.keys: dict[str, tuple[str, float]] = {}
         self.suppressed: dict[str, Suppress] = {}  # address (lower case) -> entry
         self.deleted: dict[str, str] = {}
@@ -211,6 +231,16 @@ class JournalState:
         elif type(rec) is Unsuppress:
             self.suppressed.pop(rec.address, None)
             self._unsuppressed.add(rec.address)
+        elif type(rec) is Noted:
+            self._noted(rec)
+
+    def _noted(self, rec: Noted) -> None:
+        if rec.record:
+            self.apply_payload(memoryview(rec.record))
+        last = rec.first_seq + len(rec.events) - 1
+        self.last_event_seq = max(self.last_event_seq, last)
+        if self.noted_after is not None and last > self.noted_after:
+            self.noted.extend(rec.events[max(0, self.noted_after + 1 - rec.first_seq) :])
 
     def update(self, newer: JournalState) -> None:
         """Apply what the records of `newer` (a state replayed from records that came
@@ -229,6 +259,8 @@ class JournalState:
         for address in newer._unsuppressed:
             self.suppressed.pop(address, None)
         self._unsuppressed |= newer._unsuppressed
+        self.last_event_seq = max(self.last_event_seq, newer.last_event_seq)
+        self.noted.extend(newer.noted)
 
     def apply_payload(self, payload: memoryview) -> bool:
         """Apply the record of a journal payload (raises msgspec.DecodeError); True if

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from ..events.event import Event
 from ..ids import IdGenerator
 from ..logs import get_logger
 from ..model import Message
@@ -47,6 +48,7 @@ from .writer import (
     Adopt,
     Batch,
     BatchResult,
+    Emit,
     Op,
     Place,
     Remove,
@@ -117,6 +119,10 @@ class Spool:
         self.free_bytes = 0
         self.disk_ok = True  # above spool.min_free
         self.on_commit: Callable[[Message], None] | None = None
+        # Events: None = none are made; else each class's expiry action (writer.Batch).
+        self.events: dict[str, str] | None = None
+        self.last_event = 0  # seq of the newest event in the event log
+        self.on_events: Callable[[int], None] | None = None
         self._pending_keys: dict[str, asyncio.Future] = {}
         self._queue: list[tuple[Op, asyncio.Future]] = []
         self._inflight: list[tuple[Op, asyncio.Future]] | None = None
@@ -349,15 +355,14 @@ class Spool:
         seen = self.keys.get(dedupe_key(key, tenant) or key)
         return None if seen is None else seen[0]
 
-    def _seen(self, indexed: str, now: float) -> str | None:
-        seen = self.keys.get(indexed)
-        return seen[0] if seen is not None and seen[1] + self.dedupe_window > now else None
-
     def duplicate_of(self, message: Message) -> str | None:
         """The id a new message is answered with if its idempotency key (of its tenant) was
         accepted within the dedupe window: the first message's."""
         key = dedupe_key(message.idempotency_key, message.tenant)
-        return None if key is None else self._seen(key, message.created)
+        seen = None if key is None else self.keys.get(key)
+        if seen is None or seen[1] + self.dedupe_window <= message.created:
+            return None
+        return seen[0]
 
     def _new(self, op: Accept | Place) -> asyncio.Future:
         message = op.message
@@ -405,10 +410,17 @@ class Spool:
         if message.id in self.messages:
             self.messages.put(message)
 
-    def remove(self, queue_id: str, reason: str) -> asyncio.Future:
-        """Journal the end of a message, then delete its file (leaves the queue at once)."""
+    def remove(self, queue_id: str, reason: str, final: Message | None = None) -> asyncio.Future:
+        """Journal the end of a message, then delete its file (leaves the queue at once).
+        `final`: its last record, if that was not journaled (what its events tell)."""
         self.messages.pop(queue_id)
-        return self._enqueue(Remove(queue_id, reason))
+        return self._enqueue(Remove(queue_id, reason, final if self.events is not None else None))
+
+    def emit(self, events: list[Event]) -> None:
+        """Events that change no state, journaled and logged with the next batch (when
+        events are made at all); a failure is the writer's to log."""
+        if self.events is not None:
+            self._enqueue(Emit(events))
 
     def suppress(self, address: str, until: float, reason: str) -> asyncio.Future:
         return self._enqueue(Suppress(address.lower(), until, reason))
@@ -453,12 +465,12 @@ class Spool:
             return
         batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
         try:
-            payload = self._encoder.encode(Batch([op for op, _ in batch]))
+            payload = self._encoder.encode(Batch([op for op, _ in batch], self.events))
         except Exception:
             batch = self._encodable(batch)
             if not batch:
                 return
-            payload = self._encoder.encode(Batch([op for op, _ in batch]))
+            payload = self._encoder.encode(Batch([op for op, _ in batch], self.events))
         self._inflight = batch
         transport.write(frame(payload))
 
@@ -495,9 +507,15 @@ class Spool:
         batch, self._inflight = self._inflight or [], None
         self._progress = time.monotonic()
         try:
-            outcomes = self._decoder.decode(payload).outcomes
+            result = self._decoder.decode(payload)
         except msgspec.DecodeError:
             outcomes = []
+        else:
+            outcomes = result.outcomes
+            if result.last_event > self.last_event:
+                self.last_event = result.last_event
+                if self.on_events is not None:
+                    self.on_events(result.last_event)
         if len(outcomes) != len(batch):
             outcomes = [f"{ERROR}the spool writer could not read the batch"] * len(batch)
         try:
@@ -529,6 +547,8 @@ class Spool:
         elif isinstance(op, Unsuppress):
             self.suppressed.pop(op.address, None)
             result = op.address
+        elif isinstance(op, Emit):
+            result = None
         else:
             result = op.message.id
         if not future.done():

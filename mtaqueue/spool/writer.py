@@ -29,17 +29,21 @@ import socket
 import struct
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
 
+from ..events import derive
+from ..events.event import Event, msgpack_encoder
 from ..model import Message
 from . import journal
 from .durable import fsync_dir, fsync_path, is_disk_full, write_all
+from .event_log import EventLogWriter
 from .layout import SpoolLayout
 from .message_file import file_parts
-from .records import Delete, JournalState, Put, Record, Suppress, Unsuppress
+from .records import Delete, JournalState, Noted, Put, Record, Suppress, Unsuppress
 
 IO_THREADS = 4
 _LENGTH = struct.Struct("<I")
@@ -57,6 +61,7 @@ class Update(msgspec.Struct, tag=1, array_like=True, frozen=True):
 class Remove(msgspec.Struct, tag=2, array_like=True, frozen=True):
     id: str
     reason: str
+    final: Message | None = None  # the last record, when it was not journaled (its events)
 
 
 class Adopt(msgspec.Struct, tag=6, array_like=True, frozen=True):
@@ -81,18 +86,27 @@ class Place(msgspec.Struct, tag=7, array_like=True, frozen=True):
     message: Message
 
 
+class Emit(msgspec.Struct, tag=8, array_like=True, frozen=True):
+    """Events that change no state (an address refused at RCPT): journaled and logged."""
+
+    events: list[Event]
+
+
 # Suppression list changes are journal records as they are (tags 4 and 5).
-Op = Accept | Update | Remove | Suppress | Unsuppress | Adopt | Place
+Op = Accept | Update | Remove | Suppress | Unsuppress | Adopt | Place | Emit
 
 
 class Batch(msgspec.Struct, array_like=True, frozen=True):
     ops: list[Op]
+    # None: no events are made; else each class's expiry action, for "expired" events.
+    events: dict[str, str] | None = None
 
 
 # An outcome per op: "" = durable, "full:<text>" = no space, "error:<text>" = I/O error.
 # A result with fewer outcomes than ops means the writer could not read the batch.
 class BatchResult(msgspec.Struct, array_like=True, frozen=True):
     outcomes: list[str]
+    last_event: int = 0  # the seq of the newest event in the event log
 
 
 OK = ""
@@ -123,9 +137,20 @@ class SpoolWriter:
         self.layout = SpoolLayout(root)
         self.compact_size = compact_size
         self.dedupe_window = dedupe_window
-        # The daemon has already repaired the journal; this is a second reading of it.
-        replayed = journal.replay(self.layout.journal, repair=False)
+        self.events = EventLogWriter(self.layout.events)
+        # The daemon has already repaired the journal; this is a second reading of it,
+        # which also gives back the events the event log lost (appended after the
+        # journal and synced lazily: a crash can cut its tail).
+        replayed = journal.replay(
+            self.layout.journal, repair=False, noted_after=self.events.last_seq
+        )
         self.state: JournalState = replayed.state
+        for event in self.state.noted:
+            self.events.append([event], msgspec.msgpack.decode(event, type=Event).seq)
+        self.state.noted.clear()
+        self.state.noted_after = None
+        self.events.sync()
+        self.next_seq = max(self.events.last_seq, self.state.last_event_seq) + 1
         # A writer that died may have left appends that were read just now but never
         # synced; the daemon is about to rely on them (Adopt), so make them durable.
         # (A segment that cannot even be opened was skipped by the replay; the
@@ -147,17 +172,34 @@ class SpoolWriter:
         else:
             self._bury()
 
-    def commit(self, ops: list[Op]) -> list[str]:
+    def commit(self, ops: list[Op], expire_actions: dict[str, str] | None = None) -> list[str]:
+        """Make a batch durable; `expire_actions` given (see Batch.events): with events."""
         outcomes = [OK] * len(ops)
         # Records first: one the journal cannot take fails its op before any file is written.
         records: list[Record | None] = [None] * len(ops)
         frames = [b""] * len(ops)
+        noted: list[tuple[int, list[bytes]] | None] = [None] * len(ops)
+        latest: dict[str, Message | None] = {}  # the batch's own changes, for the next one
+        seq = self.next_seq
         for i, op in enumerate(ops):
             if isinstance(op, Adopt | Place) and op.message.id in self.state.messages:
                 continue  # journaled already (by the writer that died): the file decides
             rec = _record(op)
+            events = [] if expire_actions is None else self._events(op, latest, expire_actions)
             try:
-                frames[i] = journal.encode(rec)
+                if events:
+                    stamped = [
+                        msgpack_encoder.encode(
+                            msgspec.structs.replace(e, id=uuid.uuid4().hex, seq=seq + n)
+                        )
+                        for n, e in enumerate(events)
+                    ]
+                    body = journal.payload_of(rec) if rec is not None else b""
+                    frames[i] = journal.encode(Noted(seq, stamped, body))
+                    noted[i] = (seq, stamped)
+                    seq += len(stamped)
+                else:
+                    frames[i] = journal.encode(rec) if rec is not None else b""
             except Exception as exc:
                 outcomes[i] = f"{ERROR}cannot journal: {exc}"
             else:
@@ -187,6 +229,8 @@ class SpoolWriter:
                             self.layout.message_path(ops[i].message.id).unlink(missing_ok=True)
                 return [outcome or failure for outcome in outcomes]
         # Durable from here on: nothing below may fail the batch.
+        self.next_seq = seq  # an op that failed leaves a gap in the numbers, no event
+        self._log_events([noted[i] for i in done if noted[i] is not None])
         for i in done:
             rec = records[i]
             if rec is None:
@@ -198,6 +242,54 @@ class SpoolWriter:
         if self.journal.size > max(self.compact_size, 2 * self._base_size):
             self.compact()
         return outcomes
+
+    def _events(
+        self, op: Op, latest: dict[str, Message | None], expire_actions: dict[str, str]
+    ) -> list[Event]:
+        """The events of an op; a bug in making them costs the events, never the change."""
+        try:
+            return self._derive(op, latest, expire_actions)
+        except Exception as exc:
+            print(
+                f"mtaqueue-spool-writer: no events for {type(op).__name__}: {exc!r}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return []
+
+    def _derive(
+        self, op: Op, latest: dict[str, Message | None], expire_actions: dict[str, str]
+    ) -> list[Event]:
+        """The events of an op, against the last record of its message journaled (or
+        changed earlier in the same batch)."""
+        now = time.time()
+        if isinstance(op, Emit):
+            return op.events
+        if isinstance(op, Suppress):
+            return [derive.suppressed(op.address, op.reason, now)]
+        if isinstance(op, Unsuppress):
+            return []
+        queue_id = op.id if isinstance(op, Remove) else op.message.id
+        before = latest[queue_id] if queue_id in latest else self.state.messages.get(queue_id)
+        if isinstance(op, Remove):
+            latest[queue_id] = None
+            if before is None:
+                return []
+            return derive.removed(before, op.final, op.reason, now, expire_actions)
+        latest[queue_id] = op.message
+        if before is None:
+            return derive.accepted(op.message, now)
+        return derive.changed(before, op.message, now, expire_actions)
+
+    def _log_events(self, batch: list[tuple[int, list[bytes]]]) -> None:
+        """Append the durable batch's events to the event log. A failure here loses
+        nothing: the journal has them, and the next writer appends them."""
+        try:
+            for first_seq, events in batch:
+                self.events.append(events, first_seq)
+            self.events.sync_if_due()
+        except OSError:
+            pass
 
     def _place(self, op: Accept | Adopt | Place) -> str:
         if isinstance(op, Accept):
@@ -268,6 +360,7 @@ class SpoolWriter:
         self.state.forget_keys_before(now - self.dedupe_window)
         self.state.forget_suppressions_before(now)
         try:
+            self.events.sync()  # the journal's copy of the events goes with the compaction
             journal.compact(self.journal, self.state)
         except Exception:
             return  # tried again after a later round; the old segments are intact
@@ -296,11 +389,14 @@ class SpoolWriter:
     def close(self) -> None:
         self._pool.shutdown()
         self.journal.close()
+        self.events.close()
 
 
-def _record(op: Op) -> Record:
+def _record(op: Op) -> Record | None:
     if isinstance(op, Remove):
         return Delete(op.id, op.reason)
+    if isinstance(op, Emit):
+        return None
     if isinstance(op, Accept | Update | Adopt | Place):
         return Put(op.message)
     return op
@@ -321,18 +417,21 @@ def serve(sock: socket.socket, writer: SpoolWriter) -> None:
             return
         buffer += data
         for payload in split_frames(buffer):
-            sock.sendall(frame(encoder.encode(BatchResult(_answer(writer, decoder, payload)))))
+            outcomes = _answer(writer, decoder, payload)
+            result = BatchResult(outcomes, writer.events.last_seq)
+            sock.sendall(frame(encoder.encode(result)))
 
 
 def _answer(writer: SpoolWriter, decoder: msgspec.msgpack.Decoder, payload: bytes) -> list[str]:
     """The outcomes of one batch. A bug fails its batch, it does not end the writer:
     the daemon answers 451 for it and goes on with the next one."""
     try:
-        ops = decoder.decode(payload).ops
+        batch = decoder.decode(payload)
     except msgspec.DecodeError:
         return []
+    ops = batch.ops
     try:
-        return writer.commit(ops)
+        return writer.commit(ops, batch.events)
     except Exception as exc:
         return [f"{ERROR}spool writer failed: {exc!r}"] * len(ops)
 
