@@ -130,6 +130,19 @@ def prepare_header(
     return message, header
 
 
+def accepted_fields(message: Message, client: str) -> dict[str, object]:
+    """The fields of the `accepted` log event (docs/logging.md), whichever way it came."""
+    return {
+        "id": message.id,
+        "sender": message.sender,
+        "recipients": len(message.recipients),
+        "size": message.size,
+        "cls": message.klass,
+        "client": client,
+        "tenant": message.tenant,
+    }
+
+
 def _header_end(content: bytes) -> int:
     """Offset of the blank line that ends the header (content is CRLF-normalized)."""
     if content.startswith(b"\r\n"):

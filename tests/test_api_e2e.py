@@ -19,6 +19,8 @@ from api_client import TOKENS, TOKENS_FILE, ApiClient, Contract
 from e2e_helpers import FAST, MailNet, wait_for
 from openapi_spec_validator import validate as validate_spec
 from test_crash_e2e import writer_pid
+from test_webhooks_e2e import hook_config
+from webhook_receiver import WebhookReceiver
 
 from mtaqueue.api.openapi import OPENAPI_PATH, document
 from mtaqueue.api.server import Api
@@ -200,6 +202,17 @@ def test_cancel_removes_what_is_not_delivered_without_a_dsn(start_api):
     assert api.delete("/v1/messages?idempotency_key=order-9").status == 404
     daemon.restart()  # the cancel was durable
     assert daemon.messages() == {}
+
+
+def test_the_application_hears_the_tenants_accepted_and_cancelled_events(start_api):
+    with WebhookReceiver() as receiver:
+        _, api = start_api(config=hook_config(receiver))
+        queue_id = api.submit(key="order-5", token="shop").body["id"]
+        assert api.delete(f"/v1/messages/{queue_id}", token="shop").status == 200
+        wait_for(lambda: receiver.of("cancelled"), what="the cancelled event")
+        evs = [(e["type"], e["tenant"], e["idempotency_key"]) for e in receiver.events]
+        assert evs == [("accepted", "shop", "order-5"), ("cancelled", "shop", "order-5")]
+        assert {e["message_id"] for e in receiver.events} == {queue_id}
 
 
 def test_suppressions_round_trip_and_refuse_the_address_over_api_and_smtp(start_api):

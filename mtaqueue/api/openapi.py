@@ -198,6 +198,39 @@ _TENANT = {
     "description": "whose key (unbound tokens; a bound token's tenant is its own)",
 }
 
+
+def _operation(
+    operation_id: str,
+    summary: str,
+    answers: dict[int, tuple[str, str]],  # status -> the schema and what it is
+    errors: tuple[int, ...],
+    *,
+    parameters: tuple[dict[str, Any], ...] = (),
+    body: str | None = None,  # the request body's schema
+    **more: Any,
+) -> dict[str, Any]:
+    responses = {str(status): _json(_ref(s), what) for status, (s, what) in answers.items()}
+    operation = {
+        "operationId": operation_id,
+        "summary": summary,
+        **({"parameters": list(parameters)} if parameters else {}),
+        "responses": {**responses, **_errors(*errors)},
+        **more,
+    }
+    if body is not None:
+        content = {"application/json": {"schema": _ref(body)}}
+        operation["requestBody"] = {"required": operation_id == "submit", "content": content}
+    return operation
+
+
+_IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "schema": {**_STRING, "maxLength": 256},
+    "description": "as X-Mtaqueue-Idempotency-Key over SMTP",
+}
+
 _PATHS: dict[str, Any] = {
     OPENAPI_PATH: {
         "get": {
@@ -208,108 +241,80 @@ _PATHS: dict[str, Any] = {
         }
     },
     "/v1/messages": {
-        "post": {
-            "operationId": "submit",
-            "summary": "Submit a message",
-            "description": "202 once the message is as durable as an SMTP 250 (file and"
+        "post": _operation(
+            "submit",
+            "Submit a message",
+            {
+                202: ("Accepted", "Queued (durable)"),
+                200: ("Accepted", "A duplicate: the first message's id"),
+            },
+            (400, 401, 413, 415, 422, 503, 507),
+            parameters=(_IDEMPOTENCY_KEY,),
+            body="Submission",
+            description="202 once the message is as durable as an SMTP 250 (file and"
             " journal record synced). With an Idempotency-Key accepted within"
             " submission.dedupe_window (of the same tenant), 200 with the first message's id"
             " and nothing queued. The body may be up to listen.max_message_size x 4/3"
             " + 64 KiB.",
-            "parameters": [
-                {
-                    "name": "Idempotency-Key",
-                    "in": "header",
-                    "required": False,
-                    "schema": {**_STRING, "maxLength": 256},
-                    "description": "as X-Mtaqueue-Idempotency-Key over SMTP",
-                }
-            ],
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _ref("Submission")}},
-            },
-            "responses": {
-                "202": _json(_ref("Accepted"), "Queued (durable)"),
-                "200": _json(_ref("Accepted"), "A duplicate: the first message's id"),
-                **_errors(400, 401, 413, 415, 422, 503, 507),
-            },
-        },
-        "get": {
-            "operationId": "findByKey",
-            "summary": "The queued message holding an idempotency key (a list of 0 or 1)",
-            "parameters": [_KEY, _TENANT],
-            "responses": {
-                "200": _json(_ref("MessageList"), "The message, if one is queued"),
-                **_errors(400, 401, 403),
-            },
-        },
-        "delete": {
-            "operationId": "cancelByKey",
-            "summary": "Cancel the queued message holding an idempotency key",
-            "parameters": [_KEY, _TENANT],
-            "responses": {
-                "200": _json(_ref("Cancelled"), "Cancelled (durable)"),
-                **_errors(400, 401, 403, 404, 409),
-            },
-        },
+        ),
+        "get": _operation(
+            "findByKey",
+            "The queued message holding an idempotency key (a list of 0 or 1)",
+            {200: ("MessageList", "The message, if one is queued")},
+            (400, 401, 403),
+            parameters=(_KEY, _TENANT),
+        ),
+        "delete": _operation(
+            "cancelByKey",
+            "Cancel the queued message holding an idempotency key",
+            {200: ("Cancelled", "Cancelled (durable)")},
+            (400, 401, 403, 404, 409),
+            parameters=(_KEY, _TENANT),
+        ),
     },
     "/v1/messages/{id}": {
-        "get": {
-            "operationId": "getMessage",
-            "summary": "A queued message, with its attempt history",
-            "description": "Only queued mail: once every recipient is delivered, bounced or"
+        "get": _operation(
+            "getMessage",
+            "A queued message, with its attempt history",
+            {200: ("Message", "The message")},
+            (401, 404),
+            parameters=(_ID,),
+            description="Only queued mail: once every recipient is delivered, bounced or"
             " expired the message leaves the queue (its events tell the outcome).",
-            "parameters": [_ID],
-            "responses": {
-                "200": _json(_ref("Message"), "The message"),
-                **_errors(401, 404),
-            },
-        },
-        "delete": {
-            "operationId": "cancelMessage",
-            "summary": "Cancel what is not delivered yet (no DSN; event cancelled)",
-            "description": "A recipient in the middle of an attempt may still receive it.",
-            "parameters": [_ID],
-            "responses": {
-                "200": _json(_ref("Cancelled"), "Cancelled (durable)"),
-                **_errors(401, 404, 409),
-            },
-        },
+        ),
+        "delete": _operation(
+            "cancelMessage",
+            "Cancel what is not delivered yet (no DSN; event cancelled)",
+            {200: ("Cancelled", "Cancelled (durable)")},
+            (401, 404, 409),
+            parameters=(_ID,),
+            description="A recipient in the middle of an attempt may still receive it.",
+        ),
     },
     "/v1/suppressions": {
-        "get": {
-            "operationId": "listSuppressions",
-            "summary": "The suppression list (unbound tokens only: it is every tenant's)",
-            "responses": {
-                "200": _json(_ref("SuppressionList"), "The suppressions in force"),
-                **_errors(401, 403),
-            },
-        }
+        "get": _operation(
+            "listSuppressions",
+            "The suppression list (unbound tokens only: it is every tenant's)",
+            {200: ("SuppressionList", "The suppressions in force")},
+            (401, 403),
+        )
     },
     "/v1/suppressions/{address}": {
-        "put": {
-            "operationId": "suppress",
-            "summary": "Suppress an address (RCPT refused, API 422) for a while",
-            "parameters": [_ADDRESS],
-            "requestBody": {
-                "required": False,
-                "content": {"application/json": {"schema": _ref("SuppressionRequest")}},
-            },
-            "responses": {
-                "200": _json(_ref("Suppression"), "Suppressed (durable)"),
-                **_errors(400, 401, 403),
-            },
-        },
-        "delete": {
-            "operationId": "unsuppress",
-            "summary": "Lift an address's suppression",
-            "parameters": [_ADDRESS],
-            "responses": {
-                "200": _json(_ref("Unsuppressed"), "Lifted (durable)"),
-                **_errors(400, 401, 403, 404),
-            },
-        },
+        "put": _operation(
+            "suppress",
+            "Suppress an address (RCPT refused, API 422) for a while",
+            {200: ("Suppression", "Suppressed (durable)")},
+            (400, 401, 403),
+            parameters=(_ADDRESS,),
+            body="SuppressionRequest",
+        ),
+        "delete": _operation(
+            "unsuppress",
+            "Lift an address's suppression",
+            {200: ("Unsuppressed", "Lifted (durable)")},
+            (400, 401, 403, 404),
+            parameters=(_ADDRESS,),
+        ),
     },
 }
 

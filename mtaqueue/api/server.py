@@ -29,7 +29,7 @@ from ..logs import get_logger
 from ..model import FINAL_STATES, Message
 from ..smtp.listener import ListenerSettings
 from ..spool.store import DISK_LOW, Spool, StorageFull
-from ..submission import Received
+from ..submission import Received, accepted_fields
 from .errors import ApiError
 from .openapi import OPENAPI_PATH, document
 from .submit import build, check, decode
@@ -153,17 +153,7 @@ class Api:
         if queue_id != message.id:
             log.info("duplicate_submission", id=queue_id, idempotency_key=key, via="http")
             return web.json_response({"id": queue_id, "duplicate": True}, status=200)
-        log.info(
-            "accepted",
-            id=queue_id,
-            sender=message.sender,
-            recipients=len(message.recipients),
-            size=message.size,
-            cls=message.klass,
-            client=request.remote,
-            tenant=message.tenant,
-            via="http",
-        )
+        log.info("accepted", **accepted_fields(message, request.remote or ""), via="http")
         return web.json_response({"id": queue_id}, status=202)
 
     async def _store(self, message: Message, content: bytes, threshold: int | None) -> str:

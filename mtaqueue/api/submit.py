@@ -109,7 +109,7 @@ def check(
             raise ApiError(400, "subject: required (or give raw)")
         if sub.text is None and sub.html is None:
             raise ApiError(400, "text: give text, html or both (or raw)")
-    elif not sub.raw.strip():
+    elif not sub.raw or sub.raw.isspace():  # not strip(): a copy of a large message
         raise ApiError(400, "raw: empty")
     if sub.klass is not None and sub.klass not in settings.classes:
         known = ", ".join(settings.classes)
