@@ -268,6 +268,11 @@ def test_refusals_name_the_field_and_have_the_right_status(start_api):
         ({"headers": {"X-A": "one\r\nX-B: two"}}, "headers.X-A"),
         ({"headers": {"Subject": "again"}}, "headers.Subject"),
         ({"attachments": [{"filename": "a", "content": "***"}]}, "attachments[0].content"),
+        (
+            {"attachments": [{"filename": "a", "content": "", "content_type": "text/"}]},
+            "attachments[0].content_type",
+        ),
+        ({"subject": "one\nX-Injected: two"}, "subject:"),
     ]
     for fields, named in cases:
         answer = api.submit(**fields) if "raw" not in fields else api.post(

@@ -28,7 +28,7 @@ from ..delivery.manager import DeliveryManager
 from ..logs import get_logger
 from ..model import FINAL_STATES, Message
 from ..smtp.listener import ListenerSettings
-from ..spool.store import DISK_LOW, Spool, StorageFull
+from ..spool.store import DISK_LOW, Spool, StorageError, StorageFull
 from ..submission import Received, accepted_fields
 from .errors import ApiError
 from .openapi import OPENAPI_PATH, document
@@ -67,6 +67,7 @@ class Api:
         self.tokens = tokens  # replaced on reload
 
     def app(self) -> web.Application:
+        # Bodies are read by _read, with the limit of the moment (it changes on reload).
         app = web.Application(middlewares=[self._middleware], client_max_size=1 << 62)
         app.router.add_get(OPENAPI_PATH, self._openapi)
         app.router.add_post("/v1/messages", self._submit)
@@ -135,25 +136,26 @@ class Api:
         body = await _read(request, body_limit(settings.session.max_message_size))
         offload = len(body) > IN_THREAD
         sub = await _run(offload, decode, body)
-        now = time.time()
+        now, client = time.time(), request.remote or ""
         key = request.headers.get("Idempotency-Key")
         checked = check(sub, key, settings.session, settings.submission, now, self.deps.rcpt_check)
-        received = Received(spool.ids.next(now), now, request.remote or "", False, "HTTP")
+        received = Received(spool.ids.next(now), now, client, False, "HTTP")
         message, content = await _run(
             offload, build, checked, caller.tenant, received, settings.session, settings.submission
         )
         try:
             queue_id = await self._store(message, content, settings.session.stream_threshold)
         except StorageFull as exc:
-            log.error("spool_full", error=str(exc), client=request.remote)
+            log.error("spool_full", error=str(exc), client=client)
             raise _storage_error(full=True) from None
-        except Exception as exc:  # StorageError: the writer failed or is restarting
-            log.error("spool_write_failed", error=str(exc), client=request.remote)
+        except StorageError as exc:  # a write failed, or the writer is restarting
+            log.error("spool_write_failed", error=str(exc), client=client)
             raise _storage_error(full=False) from None
         if queue_id != message.id:
+            key = message.idempotency_key
             log.info("duplicate_submission", id=queue_id, idempotency_key=key, via="http")
             return web.json_response({"id": queue_id, "duplicate": True}, status=200)
-        log.info("accepted", **accepted_fields(message, request.remote or ""), via="http")
+        log.info("accepted", **accepted_fields(message, client), via="http")
         return web.json_response({"id": queue_id}, status=202)
 
     async def _store(self, message: Message, content: bytes, threshold: int | None) -> str:

@@ -31,6 +31,7 @@ from .compose import Part, address, compose
 from .errors import ApiError, reply_text
 
 _FIELD_NAME = re.compile(r"[!-9;-~]+\Z")  # RFC 5322 ftext
+_MIME_TYPE = re.compile(r"[\w!#$&^.+-]+/[\w!#$&^.+-]+\Z", re.ASCII)  # RFC 6838 names
 _OURS = ("x-mtaqueue-class", "x-mtaqueue-expires", "x-mtaqueue-idempotency-key")
 _COMPOSED = ("from", "to", "subject", "mime-version", "content-type", "content-transfer-encoding")
 
@@ -101,6 +102,26 @@ def check(
         refusal = rcpt_check(mailbox)
         if refusal is not None:
             raise ApiError(422, f"to[{i}]: {reply_text(refusal)}")
+    _check_content(sub)
+    if sub.klass is not None and sub.klass not in settings.classes:
+        known = ", ".join(settings.classes)
+        raise ApiError(400, f"class: unknown class {sub.klass!r} (known: {known})")
+    if sub.expires is not None:
+        try:
+            parse_expiry(str(sub.expires), now)
+        except ValueError as exc:
+            raise ApiError(400, f"expires: {sub.expires!r} {exc}") from None
+    if key is not None:
+        if len(key) > MAX_KEY_LENGTH:
+            raise ApiError(400, f"Idempotency-Key: longer than {MAX_KEY_LENGTH} characters")
+        if not key.isprintable():
+            raise ApiError(400, "Idempotency-Key: a control character")
+    utf8 = not all(mailbox.isascii() for _, mailbox in [sender, *to])
+    return Checked(sub, sender, to, utf8, key or None)
+
+
+def _check_content(sub: Submission) -> None:
+    """raw, or the parts to compose, and the header fields to add."""
     composing = [f for f in ("subject", "text", "html") if getattr(sub, f) is not None]
     if sub.raw is not None and (composing or sub.attachments):
         raise ApiError(400, "raw: give either raw or subject with text/html, not both")
@@ -111,14 +132,14 @@ def check(
             raise ApiError(400, "text: give text, html or both (or raw)")
     elif not sub.raw or sub.raw.isspace():  # not strip(): a copy of a large message
         raise ApiError(400, "raw: empty")
-    if sub.klass is not None and sub.klass not in settings.classes:
-        known = ", ".join(settings.classes)
-        raise ApiError(400, f"class: unknown class {sub.klass!r} (known: {known})")
-    if sub.expires is not None:
-        try:
-            parse_expiry(str(sub.expires), now)
-        except ValueError as exc:
-            raise ApiError(400, f"expires: {sub.expires!r} {exc}") from None
+    if sub.subject and not sub.subject.isprintable():
+        raise ApiError(400, "subject: a line break or control character")
+    for i, attachment in enumerate(sub.attachments):
+        for name in ("filename", "content_type", "content_id"):
+            if not (getattr(attachment, name) or "x").isprintable():
+                raise ApiError(400, f"attachments[{i}].{name}: a line break or control character")
+        if attachment.content_type and not _MIME_TYPE.match(attachment.content_type):
+            raise ApiError(400, f"attachments[{i}].content_type: not a MIME type (type/subtype)")
     for name, value in sub.headers.items():
         lower = name.lower()
         if not _FIELD_NAME.match(name):
@@ -127,13 +148,6 @@ def check(
             raise ApiError(400, f"headers.{name}: set by the request's own fields")
         if not value.isprintable():
             raise ApiError(400, f"headers.{name}: a line break or control character")
-    if key is not None:
-        if len(key) > MAX_KEY_LENGTH:
-            raise ApiError(400, f"Idempotency-Key: longer than {MAX_KEY_LENGTH} characters")
-        if not key.isprintable():
-            raise ApiError(400, "Idempotency-Key: a control character")
-    utf8 = not all(mailbox.isascii() for _, mailbox in [sender, *to])
-    return Checked(sub, sender, to, utf8, key or None)
 
 
 def build(
@@ -156,6 +170,8 @@ def build(
         given = sub.raw.encode() if sub.raw is not None else _composed(checked)
     except UnicodeEncodeError:  # JSON may escape a lone surrogate, which UTF-8 cannot carry
         raise ApiError(400, f"{field}: a lone surrogate (\\ud800-\\udfff)") from None
+    except ValueError as exc:  # what the email package refuses to compose
+        raise ApiError(400, f"{field}: cannot be composed: {exc}") from None
     content, refusal = content_.whole(extra + given, content_limits(session))
     if refusal is not None:
         status = 413 if refusal == content_.TOO_BIG else 400
@@ -190,8 +206,6 @@ def _composed(checked: Checked) -> bytes:
             data = base64.b64decode("".join(attachment.content.split()), validate=True)
         except (binascii.Error, ValueError):
             raise ApiError(400, f"attachments[{i}].content: not base64") from None
-        if "/" not in (attachment.content_type or "/"):
-            raise ApiError(400, f"attachments[{i}].content_type: not a MIME type")
         kind, cid = attachment.content_type, attachment.content_id
         parts.append(Part(attachment.filename, data, kind, cid))
     sender = address(*checked.sender)
