@@ -160,7 +160,7 @@ class Daemon:
         self.spool.emit([derive.suppressed(address, f"refused at RCPT: {entry.reason}", now)])
         until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(entry.until))
         reason = " ".join(entry.reason.split())[:200]
-        return f"550 5.1.1 <{address}>: suppressed after a hard bounce until {until} ({reason})"
+        return f"550 5.1.1 <{address}>: suppressed until {until} ({reason})"
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
