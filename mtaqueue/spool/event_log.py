@@ -20,6 +20,7 @@ import struct
 import time
 import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -126,18 +127,20 @@ class EventLogWriter:
 class EventReader:
     """Reads the events after a seq, a batch at a time (the daemon's, one per endpoint).
 
-    A frame the writer has not finished appending is left for the next read."""
+    The segment being read stays open; a frame the writer has not finished appending is
+    left for the next read."""
 
     def __init__(self, directory: Path, after: int) -> None:
         self.directory = directory
         self.after = after  # the seq of the last event read
-        self._path: Path | None = None
+        self._file: BinaryIO | None = None
+        self._name = ""
         self._offset = 0
 
     def read(self, limit: int) -> list[Event]:
         events: list[Event] = []
         while len(events) < limit:
-            if self._path is None and not self._seek():
+            if self._file is None and not self._seek():
                 break
             got = self._read_segment(limit - len(events))
             events.extend(got)
@@ -145,32 +148,37 @@ class EventReader:
                 break
         return events
 
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _open(self, path: Path) -> bool:
+        self.close()
+        try:
+            self._file = open(path, "rb")  # noqa: SIM115 (kept open across reads)
+        except FileNotFoundError:  # removed (aged out) meanwhile
+            return False
+        self._name, self._offset = path.name, 0
+        return True
+
     def _seek(self) -> bool:
         """Open the segment holding the event after `after`."""
         found = segments(self.directory)
-        before = [(first, path) for first, path in found if first <= self.after + 1]
-        if not before and not found:
+        before = [path for first, path in found if first <= self.after + 1]
+        if not found:
             return False
-        self._path = (before[-1] if before else found[0])[1]
-        self._offset = 0
-        return True
+        return self._open(before[-1] if before else found[0][1])
 
     def _next_segment(self) -> bool:
         """Move to the next segment if the current one is complete (a newer one exists)."""
-        later = [(first, p) for first, p in segments(self.directory) if p.name > self._path.name]
-        if not later:
-            return False
-        self._path, self._offset = later[0][1], 0
-        return True
+        later = [p for _, p in segments(self.directory) if p.name > self._name]
+        return bool(later) and self._open(later[0])
 
     def _read_segment(self, limit: int) -> list[Event]:
-        try:
-            with open(self._path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read(min(1 << 20, max(64 << 10, limit * 1024)))
-        except FileNotFoundError:  # removed (aged out) meanwhile
-            self._path = None
-            return []
+        assert self._file is not None
+        self._file.seek(self._offset)
+        data = self._file.read(min(1 << 20, max(64 << 10, limit * 1024)))
         payloads, end = _frames(data)
         events = []
         used = 0

@@ -151,6 +151,9 @@ class SpoolWriter:
         self.state.noted_after = None
         self.events.sync()
         self.next_seq = max(self.events.last_seq, self.state.last_event_seq) + 1
+        # Event ids: unique without a syscall each (a random prefix per writer, then the
+        # seq), kept with the event so a repeat carries the same one.
+        self._id_prefix = uuid.uuid4().hex[:12] + "-"
         # A writer that died may have left appends that were read just now but never
         # synced; the daemon is about to rely on them (Adopt), so make them durable.
         # (A segment that cannot even be opened was skipped by the replay; the
@@ -190,7 +193,9 @@ class SpoolWriter:
                 if events:
                     stamped = [
                         msgpack_encoder.encode(
-                            msgspec.structs.replace(e, id=uuid.uuid4().hex, seq=seq + n)
+                            msgspec.structs.replace(
+                                e, id=f"{self._id_prefix}{seq + n:x}", seq=seq + n
+                            )
                         )
                         for n, e in enumerate(events)
                     ]
