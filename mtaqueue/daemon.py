@@ -27,6 +27,8 @@ import uvloop
 
 from . import __version__, config
 from .alerts import Alerts
+from .api.server import Api, ApiDeps
+from .api.tokens import Tokens, load_tokens
 from .control.commands import queue_commands
 from .control.operations import operation_commands
 from .control.server import ControlServer
@@ -34,6 +36,7 @@ from .control.suppression import suppression_commands
 from .delivery.manager import DeliveryManager
 from .events import derive
 from .events.dispatch import Dispatcher
+from .http_server import HttpServer
 from .logs import configure_logging, get_logger
 from .metrics import Metrics, Sources
 from .metrics import serve as serve_metrics
@@ -108,6 +111,7 @@ class Daemon:
         self.listener_settings = listener_settings(cfg, self.hostname)
         self.tls = _tls_context(cfg)
         self.credentials = _credentials(cfg)
+        self.api_tokens, self.api_token_warnings = _api_tokens(cfg)
         self.spool = Spool(
             cfg.spool.path,
             min_free=cfg.spool.min_free.bytes_for,
@@ -144,6 +148,7 @@ class Daemon:
         self.started = time.time()
         self._stop = asyncio.Event()
         self._stall_limit = 0.0  # seconds without a commit while work waits: unhealthy
+        self.api: Api | None = None  # while the API is served
         self._was_healthy = True
 
     def _suppressed(self, address: str) -> str | None:
@@ -155,7 +160,7 @@ class Daemon:
         self.spool.emit([derive.suppressed(address, f"refused at RCPT: {entry.reason}", now)])
         until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(entry.until))
         reason = " ".join(entry.reason.split())[:200]
-        return f"550 5.1.1 <{address}>: suppressed after a hard bounce until {until} ({reason})"
+        return f"550 5.1.1 <{address}>: suppressed until {until} ({reason})"
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -192,11 +197,13 @@ class Daemon:
         delivery = self.delivery
         if self.cfg.delivery.enabled:
             self.spool.on_commit = delivery.on_accepted
+        metrics_server = api_server = None
         try:
             self._configure_events(self.cfg)
             await listener.start()
             await control.start()
             metrics_server = await self._serve_metrics()
+            api_server = await self._serve_api()
             if self.cfg.delivery.enabled:
                 delivery.start()
             else:
@@ -204,6 +211,9 @@ class Daemon:
         except (OSError, RuntimeError, StorageError) as exc:
             log.error("startup_failed", error=str(exc))
             await listener.close(0)
+            for server in (metrics_server, api_server):
+                if server is not None:
+                    await server.close()
             await self.spool.close(self.cfg.spool.shutdown_grace)
             return EXIT_RUNTIME
         self.listener = listener
@@ -235,15 +245,18 @@ class Daemon:
         # listener and delivery finish side by side, the spool commits what they
         # leave in the time that remains (at least a second).
         deadline = time.monotonic() + grace
-        await asyncio.gather(listener.close(grace), delivery.close(grace))
+        # The API's requests under way finish as the listener's sessions do.
+        closing = [listener.close(grace), delivery.close(grace)]
+        if api_server is not None:
+            closing.append(api_server.close())
+        await asyncio.gather(*closing)
         await self.events.close()
         sweep.cancel()
         free_space.cancel()
         watchdog.cancel()
         alerting.cancel()
         if metrics_server is not None:
-            metrics_server.close()
-            await metrics_server.wait_closed()
+            await metrics_server.close()
         await control.close()
         clean = await self.spool.close(max(deadline - time.monotonic(), 1.0))
         log.info("stopped", accepted=listener.accepted)
@@ -258,6 +271,7 @@ class Daemon:
         try:
             new = self._load()
             settings = listener_settings(new, self.hostname)
+            tokens, token_warnings = _api_tokens(new)
             self._configure_events(new)
             self.delivery.reconfigure(new)
         except (config.ConfigError, OSError) as exc:
@@ -268,6 +282,7 @@ class Daemon:
             "spool.path": (self.cfg.spool.path, new.spool.path),
             "control.socket": (self.cfg.control.socket, new.control.socket),
             "metrics.address": (self.cfg.metrics.address, new.metrics.address),
+            "api.address": (self.cfg.api.address, new.api.address),
             "delivery.enabled": (self.cfg.delivery.enabled, new.delivery.enabled),
             "listen.tls_cert": (self.cfg.listen.tls_cert, new.listen.tls_cert),
             "listen.auth_file": (self.cfg.listen.auth_file, new.listen.auth_file),
@@ -275,8 +290,12 @@ class Daemon:
         for key, (old, value) in restart_only.items():
             if old != value:
                 log.warning("reload_needs_restart", key=key)
+        self.listener_settings = settings  # the API's, at its next request
         if hasattr(self, "listener"):
             self.listener.reconfigure(settings)
+        if self.api is not None and tokens is not None:
+            self.api.tokens = tokens
+            self._warn_about_tokens(tokens, token_warnings)
         self._log_alerts(self.alerts.reconfigure(new.alerts.rules))
         self.metrics.top_n = new.metrics.top_destinations
         self.cfg = new
@@ -293,14 +312,40 @@ class Daemon:
         for row in self.events.view():
             yield row
 
-    async def _serve_metrics(self) -> asyncio.Server | None:
+    async def _serve_metrics(self) -> HttpServer | None:
         if not self.cfg.metrics.address:
             return None
         host, port = config.split_host_port(self.cfg.metrics.address, min_port=0)
         server = await serve_metrics(self.metrics, host, port)
-        bound = [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets]
-        log.info("metrics_listening", address=bound)
+        log.info("metrics_listening", address=server.addresses)
         return server
+
+    async def _serve_api(self) -> HttpServer | None:
+        if not self.cfg.api.address or self.api_tokens is None:
+            return None
+        self.api = Api(
+            ApiDeps(
+                spool=self.spool,
+                delivery=self.delivery,
+                settings=lambda: self.listener_settings,
+                rcpt_check=self._suppressed,
+                suppression_ttl=lambda: self.cfg.suppression.ttl,
+            ),
+            self.api_tokens,
+        )
+        host, port = config.split_host_port(self.cfg.api.address, min_port=0)
+        app = self.api.app()
+        server = await HttpServer(app, grace=self.cfg.spool.shutdown_grace).start(host, port)
+        log.info("api_listening", address=server.addresses, tokens=len(self.api_tokens))
+        self._warn_about_tokens(self.api_tokens, self.api_token_warnings)
+        return server
+
+    @staticmethod
+    def _warn_about_tokens(tokens: Tokens, warnings: list[str]) -> None:
+        for warning in warnings:
+            log.warning("api_tokens_file", key="api.tokens_file", warning=warning)
+        if not len(tokens):
+            log.warning("api_no_tokens", key="api.tokens_file", effect="every request is a 401")
 
     async def _evaluate_alerts(self) -> None:
         while True:
@@ -446,6 +491,16 @@ def _tls_context(cfg: config.Config) -> ssl.SSLContext | None:
     except (OSError, ssl.SSLError) as exc:
         raise config.ConfigError(f"listen.tls_cert: cannot load certificate/key: {exc}") from None
     return context
+
+
+def _api_tokens(cfg: config.Config) -> tuple[Tokens | None, list[str]]:
+    """The API's tokens and warnings about their file; None while the API is off."""
+    if not cfg.api.address:
+        return None, []
+    try:
+        return load_tokens(cfg.api.tokens_file)
+    except (OSError, ValueError) as exc:
+        raise config.ConfigError(f"api.tokens_file: {exc}") from None
 
 
 def _credentials(cfg: config.Config) -> Credentials | None:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -43,6 +44,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from .alerts import DestinationStats, Snapshot
 from .control.views import in_review, recipient_state
+from .http_server import HttpServer
 from .logs import get_logger
 from .model import DEFERRED, QUEUED, Message
 from .policy.breaker import CLOSED, HALF_OPEN, OPEN
@@ -60,7 +62,6 @@ CIRCUIT_STATES = (CLOSED, OPEN, HALF_OPEN)
 DELIVERY_BUCKETS = (1, 5, 15, 60, 300, 900, 1800, 3600, 14400, 43200, 86400, 172800, 432000)
 # Connect plus greeting: loopback to a tarpit; the greeting timeout is 5 minutes.
 CONNECT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
-REQUEST_TIMEOUT = 10.0  # seconds for a scraper to send its request head
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,38 +377,24 @@ class Metrics:
         self._top = top
 
 
-async def serve(metrics: Metrics, host: str, port: int) -> asyncio.Server:
-    """Serve GET /metrics on host:port only: HTTP/1.0, one request per connection. On the
-    event loop rather than prometheus_client's WSGI thread, because the sources read the
-    loop's state (the queue, the shapers), which is not thread-safe."""
+async def serve(metrics: Metrics, host: str, port: int) -> HttpServer:
+    """Serve GET /metrics on host:port (anything else is a 404), on the event loop rather
+    than prometheus_client's WSGI thread: the sources read the loop's state."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle(request: web.Request) -> web.Response:
+        if request.method != "GET" or request.path != "/metrics":
+            return web.Response(status=404, text="not found\n")
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
-            writer.write(await _answer(metrics, head))
-            await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            pass  # no complete request head: nothing to answer
-        except ConnectionError:
-            pass  # the scraper hung up
-        finally:
-            writer.close()
+            await metrics.refresh()
+            body = generate_latest(metrics.registry)
+        except Exception:  # a failing source must not cost the scraper its answer
+            log.exception("metrics_failed")
+            return web.Response(status=500, text="failed\n")
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    return await asyncio.start_server(handle, host, port)
-
-
-async def _answer(metrics: Metrics, head: bytes) -> bytes:
-    method, _, rest = head.partition(b" ")
-    path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
-    if method != b"GET" or path != b"/metrics":
-        return _response("404 Not Found", "text/plain; charset=utf-8", b"not found\n")
-    try:
-        await metrics.refresh()
-        body = generate_latest(metrics.registry)
-    except Exception:  # a failing source must not cost the scraper its answer
-        log.exception("metrics_failed")
-        return _response("500 Internal Server Error", "text/plain; charset=utf-8", b"failed\n")
-    return _response("200 OK", CONTENT_TYPE_LATEST, body)
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", handle)
+    return await HttpServer(app).start(host, port)
 
 
 def _webhooks(rows: Iterable[Mapping[str, Any]]) -> Iterator[Metric]:
@@ -447,11 +434,3 @@ def _review_age(tally: _QueueTally, now: float) -> float:
 
 def _per_destination(name: str, documentation: str) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, labels=("destination",))
-
-
-def _response(status: str, content_type: str, body: bytes) -> bytes:
-    head = (
-        f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode() + body

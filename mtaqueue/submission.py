@@ -40,6 +40,7 @@ class Received:
     now: float
     client: str
     tls: bool
+    protocol: str = ""  # "" = SMTP, named from the session; else e.g. "HTTP"
 
 
 class Refused(Exception):
@@ -92,7 +93,10 @@ def prepare_header(
         raise Refused(f"554 5.6.0 Unknown class {klass!r} in X-Mtaqueue-Class (known: {known})")
     expires = None
     if EXPIRES_HEADER in ours:
-        expires = _expiry(ours[EXPIRES_HEADER], received.now)
+        try:
+            expires = parse_expiry(ours[EXPIRES_HEADER], received.now)
+        except ValueError as exc:
+            raise Refused(f"554 5.6.0 X-Mtaqueue-Expires {exc}") from None
     key = ours.get(KEY_HEADER) or None
     if key is not None and len(key) > MAX_KEY_LENGTH:
         raise Refused(f"554 5.6.0 X-Mtaqueue-Idempotency-Key longer than {MAX_KEY_LENGTH}")
@@ -126,6 +130,19 @@ def prepare_header(
     return message, header
 
 
+def accepted_fields(message: Message, client: str) -> dict[str, object]:
+    """The fields of the `accepted` log event (docs/logging.md), whichever way it came."""
+    return {
+        "id": message.id,
+        "sender": message.sender,
+        "recipients": len(message.recipients),
+        "size": message.size,
+        "cls": message.klass,
+        "client": client,
+        "tenant": message.tenant,
+    }
+
+
 def _header_end(content: bytes) -> int:
     """Offset of the blank line that ends the header (content is CRLF-normalized)."""
     if content.startswith(b"\r\n"):
@@ -148,7 +165,9 @@ def _fields(header: bytes) -> list[tuple[bytes, bytes]]:
     return fields
 
 
-def _expiry(value: str, now: float) -> float:
+def parse_expiry(value: str, now: float) -> float:
+    """Epoch seconds of an expiry given as a duration from `now` or an RFC 3339 time;
+    ValueError says what is wrong, as a predicate ("is already past")."""
     match = _DURATION.match(value.strip())
     if match:
         at = now + float(match.group(1)) * _UNITS[match.group(2)]
@@ -156,25 +175,28 @@ def _expiry(value: str, now: float) -> float:
         try:
             when = datetime.fromisoformat(value.strip())
         except ValueError:
-            raise Refused(
-                "554 5.6.0 X-Mtaqueue-Expires must be an RFC 3339 time or a duration like 2h"
-            ) from None
+            raise ValueError("must be an RFC 3339 time or a duration like 2h") from None
         if when.tzinfo is None:
-            raise Refused("554 5.6.0 X-Mtaqueue-Expires needs a time zone (e.g. Z or +01:00)")
+            raise ValueError("needs a time zone (e.g. Z or +01:00)")
         at = when.timestamp()
     if at <= now:
-        raise Refused("554 5.6.0 X-Mtaqueue-Expires is already past")
+        raise ValueError("is already past")
     return at
 
 
 def _received(submit: Submit | Stream, received: Received, hostname: str, rcpt: tuple) -> bytes:
-    # RFC 3848 / RFC 6531 protocol names: ESMTP, ESMTPS, ESMTPSA, UTF8SMTPS, ...
-    proto = "UTF8SMTP" if submit.envelope.smtputf8 else "ESMTP" if submit.esmtp else "SMTP"
-    proto += ("S" if received.tls else "") + ("A" if submit.user else "")
     target = f"\r\n\tfor <{rcpt[0].address}>" if len(rcpt) == 1 else ""
-    helo = submit.helo.replace("(", "").replace(")", "")
+    if received.protocol:  # no HELO: the client is its address alone
+        origin, by = f"[{received.client}]", f"(mtaqueue via {received.protocol})"
+        proto = received.protocol
+    else:
+        # RFC 3848 / RFC 6531 protocol names: ESMTP, ESMTPS, ESMTPSA, UTF8SMTPS, ...
+        proto = "UTF8SMTP" if submit.envelope.smtputf8 else "ESMTP" if submit.esmtp else "SMTP"
+        proto += ("S" if received.tls else "") + ("A" if submit.user else "")
+        helo = submit.helo.replace("(", "").replace(")", "")
+        origin, by = f"{helo} ([{received.client}])", "(mtaqueue)"
     text = (
-        f"Received: from {helo} ([{received.client}])\r\n\tby {hostname} (mtaqueue) with {proto}"
+        f"Received: from {origin}\r\n\tby {hostname} {by} with {proto}"
         f" id {received.queue_id}{target}; {formatdate(received.now, localtime=True)}"
     )
     return text.encode()  # every part is valid UTF-8: the session refuses anything else

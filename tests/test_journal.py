@@ -35,6 +35,7 @@ from mtaqueue.spool.records import (
     Stored,
     Suppress,
     Unsuppress,
+    dedupe_key,
 )
 
 # Few ids and keys, so that sequences update, delete and re-put the same messages.
@@ -63,6 +64,7 @@ messages = st.builds(
     klass=st.sampled_from(["p0", "p1", "p2"]),
     expires=st.none() | times,
     idempotency_key=st.none() | st.sampled_from(KEYS),
+    tenant=st.none() | st.sampled_from(["t1", "t2"]),
     held=st.booleans(),
 )
 ADDRESSES = ["x@example.com", "y@example.org"]
@@ -377,6 +379,22 @@ def test_a_key_stays_with_the_newest_message_holding_it():
     assert state.keys == {"k": (IDS[1], 20.0)}
     state.apply(Delete(IDS[1], "delivered"))
     assert state.keys == {"k": (IDS[1], 20.0)}  # a key outlives its message
+
+
+def test_a_key_is_its_tenants_own(tmp_path):
+    """Two tenants' "k" are two keys; replay (heads only) and a snapshot agree."""
+    a = msgspec.structs.replace(message(IDS[0], "k"), tenant="a")
+    b = msgspec.structs.replace(message(IDS[1], "k", 20.0), tenant="b")
+    recs = [Put(a), Put(b), Put(message(IDS[2], "k", 30.0)), Delete(IDS[1], "delivered")]
+    expected = {
+        dedupe_key("k", "a"): (IDS[0], 100.0),
+        dedupe_key("k", "b"): (IDS[1], 20.0),
+        "k": (IDS[2], 30.0),
+    }
+    assert len(expected) == 3 and applied(recs).keys == expected
+    segment(tmp_path, 1).write_bytes(b"".join(map(encode, recs)))
+    assert replay(tmp_path).state.keys == expected
+    assert applied(applied(recs).snapshot()).keys == expected
 
 
 def test_forget_keys_before():

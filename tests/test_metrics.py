@@ -103,12 +103,11 @@ def scrape(metrics: Metrics, path: str = "/metrics") -> tuple[int, str, bytes]:
     async def run() -> tuple[int, str, bytes]:
         server = await serve(metrics, "127.0.0.1", 0)
         try:
-            assert {s.getsockname()[0] for s in server.sockets} == {"127.0.0.1"}
-            port = server.sockets[0].getsockname()[1]
-            return await asyncio.to_thread(get, f"http://127.0.0.1:{port}{path}")
+            (address,) = server.addresses
+            assert address.startswith("127.0.0.1:")
+            return await asyncio.to_thread(get, f"http://{address}{path}")
         finally:
-            server.close()
-            await server.wait_closed()
+            await server.close()
 
     return asyncio.run(run())
 

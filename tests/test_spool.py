@@ -162,6 +162,26 @@ def test_spool_directories_are_private(tmp_path):
             assert {p.stat().st_mode & 0o777 for p in dirs} == {0o700}
 
 
+def test_an_idempotency_key_dedupes_within_its_tenant_only(tmp_path):
+    async def main() -> tuple[list[str], list[str]]:
+        spool = await started(tmp_path)
+        records = [
+            message(spool, idempotency_key="order-42", tenant="shop"),
+            message(spool, idempotency_key="order-42", tenant="blog"),
+            message(spool, idempotency_key="order-42", tenant="shop"),
+            message(spool, idempotency_key="order-42"),
+        ]
+        ids = [await asyncio.wait_for(spool.accept(r, b"x\r\n"), 10) for r in records]
+        assert spool.key_holder("order-42", "blog") == ids[1]
+        assert spool.key_holder("order-42", "news") is None
+        assert await spool.close(5) is True
+        return [r.id for r in records], ids
+
+    sent, ids = asyncio.run(main())
+    assert ids == [sent[0], sent[1], sent[0], sent[3]]
+    assert queued_after_restart(tmp_path) == {sent[0], sent[1], sent[3]}
+
+
 def tmp_files(root) -> list:
     return list(SpoolLayout(root).messages.glob("*/*/*.tmp"))
 

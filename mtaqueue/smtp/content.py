@@ -161,6 +161,27 @@ def refusal(
     return None
 
 
+def whole(raw: bytes, limits: Limits) -> tuple[bytes, str | None]:
+    """A message given whole and not dot-stuffed (the HTTP API's raw message): its content,
+    with lines that end in LF or CRLF made CRLF lines (in the header a lone CR becomes a
+    space, as from an LF-only client), and the reply refusing it, or None."""
+    data = b"\n" + raw  # a sentinel line end, so that an empty first line ends the header
+    end = _HEADER_END_LF.search(data, 0, limits.window + 2)
+    split = len(data) if end is None else end.start() + 1
+    head = data[1:split].replace(b"\r\n", b"\n").replace(b"\r", b" ").replace(b"\n", b"\r\n")
+    rest = data[split:]
+    content = head + (BARE_NEWLINE.sub(b"\r\n", rest) if has_bare_newline(rest) else rest)
+    if not content.endswith(b"\r\n"):
+        content += b"\r\n"  # SMTP can only send whole lines
+    return content, refusal(
+        limits,
+        too_big=len(content) > limits.max_size,
+        header_over=end is None and len(raw) > limits.window,
+        nul=limits.reject and b"\0" in content,
+        long_line=has_line_over(content, limits.max_line),
+    )
+
+
 class Pieces:
     """A message read in consecutive pieces: their content, and the checks a message
     held whole gets, with the same outcome (`refusal()`).

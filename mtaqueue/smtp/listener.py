@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from ..logs import get_logger
 from ..model import Message
 from ..spool.store import IncomingMessage, Spool, StorageFull
-from ..submission import Received, Refused, SubmissionSettings, prepare, prepare_header
+from ..submission import (
+    Received,
+    Refused,
+    SubmissionSettings,
+    accepted_fields,
+    prepare,
+    prepare_header,
+)
 from .auth import Credentials
 from .server_session import (
     CheckCredentials,
@@ -333,16 +340,7 @@ class SubmissionProtocol(asyncio.Protocol):
             queue_id = future.result()
             self.listener.accepted += 1
             if queue_id == message.id:
-                log.info(
-                    "accepted",
-                    id=queue_id,
-                    sender=message.sender,
-                    recipients=len(message.recipients),
-                    size=message.size,
-                    cls=message.klass,
-                    client=self.client,
-                    tenant=message.tenant,
-                )
+                log.info("accepted", **accepted_fields(message, self.client))
             else:
                 log.info(
                     "duplicate_submission",

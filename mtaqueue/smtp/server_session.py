@@ -52,6 +52,16 @@ class SessionSettings:
     auth_required: bool = False
 
 
+def content_limits(settings: SessionSettings) -> Limits:
+    """What a message's content may be: the listener's limits, the HTTP API's too."""
+    return Limits(
+        settings.max_message_size,
+        settings.max_line_length,
+        settings.max_header_size,
+        settings.bare_newline == "reject",
+    )
+
+
 @dataclass(slots=True)
 class Envelope:
     sender: str = ""
@@ -150,12 +160,7 @@ class ServerSession:
         self._out: list[str] = []
         self._errors = 0
         self._discarding = False  # skipping the rest of an overlong command line
-        self._limits = Limits(
-            settings.max_message_size,
-            settings.max_line_length,
-            settings.max_header_size,
-            settings.bare_newline == "reject",
-        )
+        self._limits = content_limits(settings)
         # The message data being read: a 2-octet context (at first a CRLF sentinel), then
         # what has not been handed on yet.
         self._data = bytearray()

@@ -82,8 +82,8 @@ PUT_PREFIX = b"\x92\x00"
 
 class Head(msgspec.Struct, array_like=True, gc=False):
     """The leading fields of an encoded Message, checked for their types; the
-    recipients stay undecoded and the fields after the idempotency key are ignored
-    (msgspec ignores an array's trailing elements)."""
+    recipients stay undecoded and the fields after the tenant are ignored (msgspec
+    ignores an array's trailing elements)."""
 
     id: str
     sender: str
@@ -93,6 +93,24 @@ class Head(msgspec.Struct, array_like=True, gc=False):
     klass: str
     expires: float | None = None
     idempotency_key: str | None = None
+    envid: str | None = None
+    ret: str | None = None
+    body: str = "7BIT"
+    smtputf8: bool = False
+    tenant: str | None = None
+
+    @property
+    def dedupe_key(self) -> str | None:
+        return dedupe_key(self.idempotency_key, self.tenant)
+
+
+def dedupe_key(key: str | None, tenant: str | None) -> str | None:
+    """What the idempotency index holds for a message's key: a key is its tenant's own, so
+    two tenants' "order-42" are two messages (and neither learns the other's id)."""
+    if key is None or tenant is None:
+        return key
+    # Only a submitter who may name any tenant (a header) can put a NUL in one and collide.
+    return f"{tenant}\x00{key}"
 
 
 class Stored(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -113,7 +131,7 @@ _record_decoder = msgspec.msgpack.Decoder(Record)
 def stored(data: bytes) -> Stored:
     """A Stored of an encoded Message (raises msgspec.DecodeError if it is not one)."""
     head = _head_decoder.decode(data)
-    return Stored(head.id, head.idempotency_key, head.created, data)
+    return Stored(head.id, head.dedupe_key, head.created, data)
 
 
 class MessageMap(Mapping[str, Message]):
@@ -171,7 +189,7 @@ class MessageMap(Mapping[str, Message]):
 
 
 class JournalState:
-    """Live messages by queue id, and idempotency keys (key -> (queue id, created)).
+    """Live messages by queue id, and idempotency keys (`dedupe_key` -> (queue id, created)).
 
     Keys outlive their messages until `forget_keys_before` drops them, so whoever
     checks a key must still compare its `created` with the dedupe window.
@@ -200,7 +218,8 @@ class JournalState:
         elif type(rec) is Put:
             message = rec.message
             data = _message_encoder.encode(message)
-            self._put(message.id, data, message.idempotency_key, message.created)
+            key = dedupe_key(message.idempotency_key, message.tenant)
+            self._put(message.id, data, key, message.created)
         elif type(rec) is Delete:
             self.messages.pop(rec.id)
             self.deleted[rec.id] = rec.reason
@@ -256,8 +275,9 @@ class JournalState:
         self.messages.put_encoded(head.id, data)
         if self.deleted:
             self.deleted.pop(head.id, None)
-        if head.idempotency_key is not None:
-            self._keep(head.idempotency_key, head.id, head.created)
+        key = head.dedupe_key
+        if key is not None:
+            self._keep(key, head.id, head.created)
         return False
 
     def _put(self, queue_id: str, data: bytes, key: str | None, created: float) -> None:
@@ -296,7 +316,7 @@ class JournalState:
             # A live message's Put brings its key back; any other key needs a record.
             if queue_id in messages:
                 head = _head_decoder.decode(messages.encoding(queue_id))
-                if head.idempotency_key == key and head.created == created:
+                if head.dedupe_key == key and head.created == created:
                     continue
             yield KeyKept(key, queue_id, created)
         yield from self.suppressed.values()

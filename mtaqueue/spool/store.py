@@ -40,7 +40,7 @@ from . import journal
 from .durable import is_disk_full
 from .layout import SpoolLayout
 from .message_file import MessageFileWriter, read_content
-from .records import MessageMap, Suppress, Unsuppress
+from .records import MessageMap, Suppress, Unsuppress, dedupe_key
 from .writer import (
     ERROR,
     FULL,
@@ -113,7 +113,7 @@ class Spool:
         self._compact_size = compact_size
         self.dedupe_window = dedupe_window
         self.messages = MessageMap()  # the queue, held encoded (records.py)
-        self.keys: dict[str, tuple[str, float]] = {}  # idempotency key -> (id, created)
+        self.keys: dict[str, tuple[str, float]] = {}  # dedupe_key -> (id, created)
         self.suppressed: dict[str, Suppress] = {}  # lower-cased address -> entry
         self.ids = IdGenerator()
         self.free_bytes = 0
@@ -349,14 +349,29 @@ class Spool:
         """A new message to write as its content arrives (data too large to hold)."""
         return IncomingMessage(self, message)
 
+    def key_holder(self, key: str, tenant: str | None) -> str | None:
+        """The id of the newest message accepted with this idempotency key (of this
+        tenant) while the index still has it; it may have left the queue since."""
+        seen = self.keys.get(dedupe_key(key, tenant) or key)
+        return None if seen is None else seen[0]
+
+    def duplicate_of(self, message: Message) -> str | None:
+        """The id a new message is answered with if its idempotency key (of its tenant) was
+        accepted within the dedupe window: the first message's."""
+        key = dedupe_key(message.idempotency_key, message.tenant)
+        seen = None if key is None else self.keys.get(key)
+        if seen is None or seen[1] + self.dedupe_window <= message.created:
+            return None
+        return seen[0]
+
     def _new(self, op: Accept | Place) -> asyncio.Future:
         message = op.message
-        key = message.idempotency_key
+        key = dedupe_key(message.idempotency_key, message.tenant)
         if key is not None:
-            seen = self.keys.get(key)
-            if seen is not None and seen[1] + self.dedupe_window > message.created:
+            seen = self.duplicate_of(message)
+            if seen is not None:
                 future = asyncio.get_running_loop().create_future()
-                future.set_result(seen[0])
+                future.set_result(seen)
                 return future
             pending = self._pending_keys.get(key)
             if pending is not None:
@@ -459,6 +474,13 @@ class Spool:
         self._inflight = batch
         transport.write(frame(payload))
 
+    async def committed(self) -> None:
+        """Until every change asked for so far is answered by the writer (durable, or
+        failed): for one made by someone else's call (the delivery manager's)."""
+        pending = [future for _, future in (*self._queue, *(self._inflight or ()))]
+        if pending:
+            await asyncio.wait(pending)
+
     async def drained(self) -> None:
         """Until fewer than a batch of changes wait to be sent: a bulk change waits here
         between its steps, so that what it queues stays bounded (not a million records
@@ -534,8 +556,9 @@ class Spool:
         if isinstance(op, Accept | Adopt | Place):  # durable: queued, whoever still waits
             message = op.message
             self.messages.put(message)
-            if message.idempotency_key is not None:
-                self.keys[message.idempotency_key] = (message.id, message.created)
+            key = dedupe_key(message.idempotency_key, message.tenant)
+            if key is not None:
+                self.keys[key] = (message.id, message.created)
             if self.on_commit is not None:
                 self.on_commit(message)
 
@@ -546,7 +569,7 @@ class Spool:
 
     def _forget_pending_key(self, op: Op, future: asyncio.Future) -> None:
         if isinstance(op, Accept | Adopt | Place):
-            key = op.message.idempotency_key
+            key = dedupe_key(op.message.idempotency_key, op.message.tenant)
             if key is not None and self._pending_keys.get(key) is future:
                 del self._pending_keys[key]
 

@@ -1,0 +1,307 @@
+"""The HTTP API: aiohttp routes over the daemon's spool and delivery manager.
+
+Every route but the OpenAPI document needs a bearer token (tokens.py). A token bound to
+a tenant submits as that tenant and sees and cancels that tenant's mail only: anyone
+else's is a 404, as if it did not exist. The suppression list is shared by every tenant,
+so only unbound (operator's) tokens may read or change it.
+
+A submission is answered 202 only once it is as durable as an SMTP 250 (file and journal
+record synced); one whose Idempotency-Key was accepted within the dedupe window is
+answered 200 with the first message's id. Large bodies are decoded and built in a
+thread, so the event loop never waits for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from ..control import suppression
+from ..control.views import message_json
+from ..delivery.manager import DeliveryManager
+from ..logs import get_logger
+from ..model import FINAL_STATES, Message
+from ..smtp.listener import ListenerSettings
+from ..spool.store import DISK_LOW, Spool, StorageError, StorageFull
+from ..submission import Received, accepted_fields
+from .errors import ApiError
+from .openapi import OPENAPI_PATH, document
+from .submit import build, check, decode
+from .tokens import Caller, Tokens
+
+log = get_logger("api")
+
+CALLER = "mtaqueue.caller"  # the request's Caller
+IN_THREAD = 256 << 10  # bodies larger than this are decoded and built in a thread
+JSON_OVERHEAD = 64 << 10  # a body may exceed the base64 of the largest message by this
+RETRY_AFTER = "30"  # seconds, when the spool cannot take mail
+CANCELLED = "cancelled"  # the journaled reason, which makes "cancelled" events
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiDeps:
+    """What the API reads and acts on; the callables give the current (reloaded) values."""
+
+    spool: Spool
+    delivery: DeliveryManager
+    settings: Callable[[], ListenerSettings]  # the listener's limits and submission settings
+    rcpt_check: Callable[[str], str | None]  # the listener's RCPT refusal (suppressed)
+    suppression_ttl: Callable[[], float]
+
+
+def body_limit(max_message_size: int) -> int:
+    """The largest request body: the largest message, base64-encoded, and some JSON."""
+    return max_message_size * 4 // 3 + JSON_OVERHEAD
+
+
+class Api:
+    def __init__(self, deps: ApiDeps, tokens: Tokens) -> None:
+        self.deps = deps
+        self.tokens = tokens  # replaced on reload
+
+    def app(self) -> web.Application:
+        # Bodies are read by _read, with the limit of the moment (it changes on reload).
+        app = web.Application(middlewares=[self._middleware], client_max_size=1 << 62)
+        app.router.add_get(OPENAPI_PATH, self._openapi)
+        app.router.add_post("/v1/messages", self._submit)
+        app.router.add_get("/v1/messages", self._find)
+        app.router.add_delete("/v1/messages", self._cancel_by_key)
+        app.router.add_get("/v1/messages/{id}", self._show)
+        app.router.add_delete("/v1/messages/{id}", self._cancel)
+        app.router.add_get("/v1/suppressions", self._suppressions)
+        app.router.add_put("/v1/suppressions/{address}", self._suppress)
+        app.router.add_delete("/v1/suppressions/{address}", self._unsuppress)
+        return app
+
+    # -- every request ---------------------------------------------------------------
+
+    @web.middleware
+    async def _middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        caller = None
+        try:
+            if request.path != OPENAPI_PATH:
+                caller = request[CALLER] = self._authenticate(request)
+            response = await handler(request)
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            message = f"{request.method} is not allowed here (allowed: {allowed})"
+            response = _refused(request, caller, ApiError(405, message, {"Allow": allowed}))
+        except web.HTTPNotFound:
+            response = _refused(request, caller, ApiError(404, f"no such endpoint: {request.path}"))
+        except ApiError as exc:
+            response = _refused(request, caller, exc)
+        except web.HTTPException as exc:  # aiohttp's own refusals (a malformed request)
+            response = _refused(request, caller, ApiError(exc.status, exc.reason))
+        except Exception:  # a bug must cost one request a clear answer, not a text page
+            log.exception("api_failed", method=request.method, path=request.path)
+            response = _refused(request, caller, ApiError(500, "internal error"))
+        else:
+            tenant = caller.tenant if caller else None
+            log.debug("api_request", method=request.method, path=request.path, tenant=tenant)
+        return response
+
+    def _authenticate(self, request: web.Request) -> Caller:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "a bearer token is needed", {"WWW-Authenticate": _CHALLENGE})
+        caller = self.tokens.caller(token.strip())
+        if caller is None:
+            challenge = f'{_CHALLENGE}, error="invalid_token"'
+            raise ApiError(401, "the token is not valid", {"WWW-Authenticate": challenge})
+        return caller
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(document())
+
+    # -- messages --------------------------------------------------------------------
+
+    async def _submit(self, request: web.Request) -> web.Response:
+        caller = request[CALLER]
+        if request.content_type != "application/json":
+            raise ApiError(415, "the body must be JSON (Content-Type: application/json)")
+        spool = self.deps.spool
+        refusal = spool.refusal  # before reading a body that could not be stored anyway
+        if refusal is not None:
+            raise _storage_error(full=refusal == DISK_LOW)
+        settings = self.deps.settings()
+        body = await _read(request, body_limit(settings.session.max_message_size))
+        offload = len(body) > IN_THREAD
+        sub = await _run(offload, decode, body)
+        now, client = time.time(), request.remote or ""
+        key = request.headers.get("Idempotency-Key")
+        checked = check(sub, key, settings.session, settings.submission, now, self.deps.rcpt_check)
+        received = Received(spool.ids.next(now), now, client, False, "HTTP")
+        message, content = await _run(
+            offload, build, checked, caller.tenant, received, settings.session, settings.submission
+        )
+        try:
+            queue_id = await self._store(message, content, settings.session.stream_threshold)
+        except StorageFull as exc:
+            log.error("spool_full", error=str(exc), client=client)
+            raise _storage_error(full=True) from None
+        except StorageError as exc:  # a write failed, or the writer is restarting
+            log.error("spool_write_failed", error=str(exc), client=client)
+            raise _storage_error(full=False) from None
+        if queue_id != message.id:
+            key = message.idempotency_key
+            log.info("duplicate_submission", id=queue_id, idempotency_key=key, via="http")
+            return web.json_response({"id": queue_id, "duplicate": True}, status=200)
+        log.info("accepted", **accepted_fields(message, client), via="http")
+        return web.json_response({"id": queue_id}, status=202)
+
+    async def _store(self, message: Message, content: bytes, threshold: int | None) -> str:
+        """The id the spool answers once the message is durable. As the listener stores:
+        a message past spool.stream_threshold is written to its file by the spool's
+        threads, a smaller one goes to the writer with its record."""
+        spool = self.deps.spool
+        first = spool.duplicate_of(message)
+        if first is not None:  # no file to write (and remove)
+            return first
+        if threshold is None or len(content) <= threshold:
+            return await spool.accept(message, content)
+        return await spool.incoming(message).commit(content)
+
+    async def _show(self, request: web.Request) -> web.Response:
+        return web.json_response(message_json(self._message(request)))
+
+    async def _find(self, request: web.Request) -> web.Response:
+        found = self._by_key(request)
+        return web.json_response({"messages": [] if found is None else [message_json(found)]})
+
+    async def _cancel(self, request: web.Request) -> web.Response:
+        return await self._cancelled(self._message(request))
+
+    async def _cancel_by_key(self, request: web.Request) -> web.Response:
+        found = self._by_key(request)
+        if found is None:
+            raise ApiError(404, "no queued message has this idempotency_key")
+        return await self._cancelled(found)
+
+    async def _cancelled(self, message: Message) -> web.Response:
+        pending = [r.address for r in message.recipients if r.state not in FINAL_STATES]
+        if not pending:
+            raise ApiError(409, f"message {message.id} has no recipient left to cancel")
+        self.deps.delivery.cancel([message], CANCELLED)
+        await self.deps.spool.committed()  # the removal is durable: it will not come back
+        return web.json_response({"id": message.id, "cancelled": pending})
+
+    def _message(self, request: web.Request) -> Message:
+        queue_id = request.match_info["id"]
+        message = self.deps.spool.messages.get(queue_id)
+        if message is None or not request[CALLER].sees(message.tenant):
+            raise ApiError(404, f"no message {queue_id} in the queue")
+        return message
+
+    def _by_key(self, request: web.Request) -> Message | None:
+        """The queued message holding ?idempotency_key= (of the caller's tenant, or for an
+        unbound token of ?tenant=, else of no tenant)."""
+        caller = request[CALLER]
+        key = request.query.get("idempotency_key")
+        if not key:
+            raise ApiError(400, "idempotency_key: required")
+        tenant = request.query.get("tenant") or None
+        if caller.tenant is not None:
+            if tenant not in (None, caller.tenant):
+                raise ApiError(403, "tenant: this token is bound to another tenant")
+            tenant = caller.tenant
+        queue_id = self.deps.spool.key_holder(key, tenant)
+        return None if queue_id is None else self.deps.spool.messages.get(queue_id)
+
+    # -- suppressions ----------------------------------------------------------------
+
+    async def _suppressions(self, request: web.Request) -> web.Response:
+        _operator(request)
+        return web.json_response({"suppressions": suppression.active(self.deps.spool, time.time())})
+
+    async def _suppress(self, request: web.Request) -> web.Response:
+        _operator(request)
+        address = _checked(suppression.checked_address, request.match_info["address"])
+        body = await _read(request, JSON_OVERHEAD)
+        fields = _json_object(body) if body.strip() else {}
+        unknown = fields.keys() - {"reason", "for"}
+        if unknown:
+            raise ApiError(400, f"{min(unknown)}: unknown field (known: reason, for)")
+        reason = fields.get("reason") or suppression.DEFAULT_REASON
+        if not isinstance(reason, str):
+            raise ApiError(400, "reason: must be a string")
+        ttl = _checked(suppression.duration, fields.get("for"), self.deps.suppression_ttl())
+        return web.json_response(await suppression.add(self.deps.spool, address, ttl, reason))
+
+    async def _unsuppress(self, request: web.Request) -> web.Response:
+        _operator(request)
+        address = _checked(suppression.checked_address, request.match_info["address"])
+        removed = await suppression.remove(self.deps.spool, address)
+        if removed is None:
+            raise ApiError(404, f"{address} is not suppressed")
+        return web.json_response(removed)
+
+
+_CHALLENGE = 'Bearer realm="mtaqueue"'
+
+
+def _refused(request: web.Request, caller: Caller | None, error: ApiError) -> web.Response:
+    fields = {"method": request.method, "path": request.path, "status": error.status}
+    if error.status == 401:
+        log.warning("api_auth_failed", client=request.remote, error=error.message, **fields)
+    else:
+        tenant = caller.tenant if caller else None
+        log.info("api_refused", tenant=tenant, error=error.message, **fields)
+    return web.json_response({"error": error.message}, status=error.status, headers=error.headers)
+
+
+def _storage_error(full: bool) -> ApiError:
+    """SMTP's 452 4.3.1 (full) and 451 4.3.0 (a write failed, the writer restarting)."""
+    if full:
+        return ApiError(507, "insufficient system storage", {"Retry-After": RETRY_AFTER})
+    return ApiError(503, "temporary storage failure, try again later", {"Retry-After": RETRY_AFTER})
+
+
+def _operator(request: web.Request) -> None:
+    tenant = request[CALLER].tenant
+    if tenant is not None:
+        raise ApiError(403, f"the suppression list is every tenant's; this token is {tenant}'s")
+
+
+async def _read(request: web.Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to pass `limit` (by its
+    Content-Length before anything is read)."""
+    too_large = ApiError(413, f"the request body is larger than {limit} octets")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _run(in_thread: bool, call: Callable[..., _T], *args: Any) -> _T:
+    return await asyncio.to_thread(call, *args) if in_thread else call(*args)
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except ValueError as exc:
+        raise ApiError(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return value
+
+
+def _checked(check: Callable[..., _T], *args: Any) -> _T:
+    try:
+        return check(*args)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None

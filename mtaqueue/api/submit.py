@@ -1,0 +1,230 @@
+"""POST /v1/messages: a JSON submission made into what an SMTP transaction gives (an
+envelope and the content), then into a queue record by the same code as SMTP's
+(`submission.prepare`: X-Mtaqueue-* headers, Received, Message-ID, Date). The envelope
+gets the listener's address checks, the content the listener's limits. Pure; no I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from email.policy import SMTP, SMTPUTF8
+
+import msgspec
+
+from ..model import Message, Recipient
+from ..smtp import content as content_
+from ..smtp.addresses import AddressError, check_mailbox
+from ..smtp.server_session import Envelope, SessionSettings, Submit, content_limits
+from ..submission import (
+    MAX_KEY_LENGTH,
+    Received,
+    Refused,
+    SubmissionSettings,
+    parse_expiry,
+    prepare,
+)
+from .compose import Part, address, compose
+from .errors import ApiError, reply_text
+
+_FIELD_NAME = re.compile(r"[!-9;-~]+\Z")  # RFC 5322 ftext
+_MIME_TYPE = re.compile(r"[\w!#$&^.+-]+/[\w!#$&^.+-]+\Z", re.ASCII)  # RFC 6838 names
+_OURS = ("x-mtaqueue-class", "x-mtaqueue-expires", "x-mtaqueue-idempotency-key")
+_COMPOSED = ("from", "to", "subject", "mime-version", "content-type", "content-transfer-encoding")
+
+
+class Attachment(msgspec.Struct, forbid_unknown_fields=True):
+    filename: str
+    content: str  # base64
+    content_type: str = ""  # "" = guessed from the file name
+    content_id: str = ""  # set: an inline part the HTML refers to as cid:...
+
+
+class Submission(
+    msgspec.Struct, forbid_unknown_fields=True, rename={"sender": "from", "klass": "class"}
+):
+    sender: str  # "addr" or "Name <addr>"
+    to: list[str]
+    raw: str | None = None
+    subject: str | None = None
+    text: str | None = None
+    html: str | None = None
+    attachments: list[Attachment] = []
+    klass: str | None = None
+    expires: str | int | float | None = None  # RFC 3339 time, duration, or seconds
+    headers: dict[str, str] = {}
+
+
+_decoder = msgspec.json.Decoder(Submission)
+
+
+def decode(body: bytes) -> Submission:
+    """The request body, or ApiError 400 naming the field (msgspec's `$.to[0]`)."""
+    try:
+        return _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the body is not JSON: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A submission whose envelope and fields passed: ready to be built (`build`)."""
+
+    submission: Submission
+    sender: tuple[str, str]  # display name, mailbox
+    to: list[tuple[str, str]]
+    utf8: bool  # an address is not ASCII: the message needs SMTPUTF8
+    key: str | None
+
+
+def check(
+    sub: Submission,
+    key: str | None,
+    session: SessionSettings,
+    settings: SubmissionSettings,
+    now: float,
+    rcpt_check: Callable[[str], str | None],
+) -> Checked:
+    """What the listener checks at MAIL and RCPT, and the fields that steer the message;
+    ApiError 400 naming the field, or 422 for a suppressed recipient."""
+    sender = _mailbox("from", sub.sender)
+    if not sub.to:
+        raise ApiError(400, "to: at least one recipient")
+    if len(sub.to) > session.max_recipients:
+        raise ApiError(400, f"to: more than {session.max_recipients} recipients")
+    to = [_mailbox(f"to[{i}]", rcpt) for i, rcpt in enumerate(sub.to)]
+    for i, (_, mailbox) in enumerate(to):
+        refusal = rcpt_check(mailbox)
+        if refusal is not None:
+            raise ApiError(422, f"to[{i}]: {reply_text(refusal)}")
+    _check_content(sub)
+    if sub.klass is not None and sub.klass not in settings.classes:
+        known = ", ".join(settings.classes)
+        raise ApiError(400, f"class: unknown class {sub.klass!r} (known: {known})")
+    if sub.expires is not None:
+        try:
+            parse_expiry(str(sub.expires), now)
+        except ValueError as exc:
+            raise ApiError(400, f"expires: {sub.expires!r} {exc}") from None
+    if key is not None:
+        if len(key) > MAX_KEY_LENGTH:
+            raise ApiError(400, f"Idempotency-Key: longer than {MAX_KEY_LENGTH} characters")
+        if not key.isprintable():
+            raise ApiError(400, "Idempotency-Key: a control character")
+    utf8 = not all(mailbox.isascii() for _, mailbox in [sender, *to])
+    return Checked(sub, sender, to, utf8, key or None)
+
+
+def _check_content(sub: Submission) -> None:
+    """raw, or the parts to compose, and the header fields to add."""
+    composing = [f for f in ("subject", "text", "html") if getattr(sub, f) is not None]
+    if sub.raw is not None and (composing or sub.attachments):
+        raise ApiError(400, "raw: give either raw or subject with text/html, not both")
+    if sub.raw is None:
+        if sub.subject is None:
+            raise ApiError(400, "subject: required (or give raw)")
+        if sub.text is None and sub.html is None:
+            raise ApiError(400, "text: give text, html or both (or raw)")
+    elif not sub.raw or sub.raw.isspace():  # not strip(): a copy of a large message
+        raise ApiError(400, "raw: empty")
+    if sub.subject and not sub.subject.isprintable():
+        raise ApiError(400, "subject: a line break or control character")
+    for i, attachment in enumerate(sub.attachments):
+        for name in ("filename", "content_type", "content_id"):
+            if not (getattr(attachment, name) or "x").isprintable():
+                raise ApiError(400, f"attachments[{i}].{name}: a line break or control character")
+        if attachment.content_type and not _MIME_TYPE.match(attachment.content_type):
+            raise ApiError(400, f"attachments[{i}].content_type: not a MIME type (type/subtype)")
+    for name, value in sub.headers.items():
+        lower = name.lower()
+        if not _FIELD_NAME.match(name):
+            raise ApiError(400, f"headers: {name!r} is not a header field name")
+        if lower in _OURS or (sub.raw is None and lower in _COMPOSED):
+            raise ApiError(400, f"headers.{name}: set by the request's own fields")
+        if not value.isprintable():
+            raise ApiError(400, f"headers.{name}: a line break or control character")
+
+
+def build(
+    checked: Checked,
+    tenant: str | None,
+    received: Received,
+    session: SessionSettings,
+    settings: SubmissionSettings,
+) -> tuple[Message, bytes]:
+    """The queue record and the content to store (CPU only: a large message is built in
+    a thread); ApiError 400 or 413."""
+    sub = checked.submission
+    policy = SMTPUTF8 if checked.utf8 else SMTP
+    field = "raw" if sub.raw is not None else "message"
+    try:
+        extra = b"".join(
+            policy.header_factory(name, value).fold(policy=policy).encode()
+            for name, value in sub.headers.items()
+        )  # RFC 2047 encoded words for non-ASCII text, unless the message is SMTPUTF8's
+        given = sub.raw.encode() if sub.raw is not None else _composed(checked)
+    except UnicodeEncodeError:  # JSON may escape a lone surrogate, which UTF-8 cannot carry
+        raise ApiError(400, f"{field}: a lone surrogate (\\ud800-\\udfff)") from None
+    except ValueError as exc:  # what the email package refuses to compose
+        raise ApiError(400, f"{field}: cannot be composed: {exc}") from None
+    content, refusal = content_.whole(extra + given, content_limits(session))
+    if refusal is not None:
+        status = 413 if refusal == content_.TOO_BIG else 400
+        raise ApiError(status, f"{field}: {reply_text(refusal)}")
+    header = content[: content.find(b"\r\n\r\n") + 2] if b"\r\n\r\n" in content else content
+    envelope = Envelope(
+        sender=checked.sender[1],
+        recipients=[Recipient(mailbox) for _, mailbox in checked.to],
+        body="7BIT" if content.isascii() else "8BITMIME",
+        smtputf8=checked.utf8 or not header.isascii(),  # RFC 6532 header fields
+    )
+    submit = Submit(envelope, content, helo="", esmtp=True, user=tenant)
+    try:
+        message, stored = prepare(submit, received, settings)
+    except Refused as exc:
+        raise ApiError(400, f"{field}: {reply_text(str(exc))}") from None
+    steering = {}
+    if sub.klass is not None:
+        steering["klass"] = sub.klass
+    if sub.expires is not None:
+        steering["expires"] = parse_expiry(str(sub.expires), received.now)
+    if checked.key is not None:
+        steering["idempotency_key"] = checked.key
+    return msgspec.structs.replace(message, **steering), stored
+
+
+def _composed(checked: Checked) -> bytes:
+    sub = checked.submission
+    parts = []
+    for i, attachment in enumerate(sub.attachments):
+        try:
+            data = base64.b64decode("".join(attachment.content.split()), validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, f"attachments[{i}].content: not base64") from None
+        kind, cid = attachment.content_type, attachment.content_id
+        parts.append(Part(attachment.filename, data, kind, cid))
+    sender = address(*checked.sender)
+    to = [address(*rcpt) for rcpt in checked.to]
+    assert sub.subject is not None  # check() saw to it
+    return compose(sender, to, sub.subject, sub.text, sub.html, parts, checked.utf8)
+
+
+def _mailbox(field: str, text: str) -> tuple[str, str]:
+    """(display name, mailbox) of "addr" or "Name <addr>"; ApiError 400 if not valid."""
+    text = text.strip()
+    display, mailbox = "", text
+    if text.endswith(">") and "<" in text:
+        at = text.rindex("<")
+        display, mailbox = text[:at].strip().strip('"').strip(), text[at + 1 : -1].strip()
+    try:
+        check_mailbox(mailbox, utf8=True)
+    except AddressError as exc:
+        raise ApiError(400, f"{field}: {text!r} is not a valid address: {exc}") from None
+    if not display.isprintable():
+        raise ApiError(400, f"{field}: a control character in the name")
+    return display, mailbox
