@@ -7,6 +7,7 @@ down and come back; mail is delivered to real SMTP peers through the test DNS se
 from __future__ import annotations
 
 import json
+import subprocess
 from collections import defaultdict
 
 from e2e_helpers import BODY, FAST, MailNet, events, wait_for
@@ -188,3 +189,23 @@ def test_events_older_than_max_age_are_dropped_and_said_so(start_daemon):
         assert {e["message_id"] for e in receiver.events} == {fresh}
         (row,) = [json.loads(line) for line in daemon.ctl("webhooks", "--json").stdout.splitlines()]
         assert row["dropped"] >= 1
+
+
+def test_the_signature_is_what_openssl_computes(start_daemon):
+    """The HMAC checked by software we did not write: `openssl dgst -sha256 -hmac`."""
+    with MailNet(["127.0.0.2"]) as net, WebhookReceiver() as receiver:
+        net.add_domain("example.org", "127.0.0.2")
+        daemon = start(start_daemon, net, receiver)
+        daemon.send("app@sender.test", ["a@example.org"], BODY)
+        wait_for(lambda: receiver.raw, what="a request")
+        header, body = receiver.raw[0]
+        fields = dict(part.split("=", 1) for part in header.split(","))
+        signed = fields["t"].encode() + b"." + body
+        out = subprocess.run(
+            ["openssl", "dgst", "-sha256", "-hmac", receiver.secret, "-r"],
+            input=signed,
+            capture_output=True,
+            check=True,
+        ).stdout.split()[0]
+        assert fields["v1"] == out.decode()
+        assert json.loads(body)[0]["type"] == "accepted"

@@ -25,6 +25,7 @@ class WebhookReceiver:
         self.status = 200  # what to answer a well-signed request
         self.delay = 0.0
         self.requests: list[list[dict]] = []  # the accepted bodies, in order
+        self.raw: list[tuple[str, bytes]] = []  # (signature header, body) of each accepted
         self.bad_signatures = 0
         self.failed = 0  # requests answered with a non-2xx status on purpose
         self._lock = threading.Lock()
@@ -56,6 +57,7 @@ class WebhookReceiver:
             return web.Response(status=self.status)
         with self._lock:
             self.requests.append(json.loads(body))
+            self.raw.append((request.headers[HEADER], body))
         return web.Response(status=204)
 
     def start(self) -> WebhookReceiver:

@@ -111,6 +111,11 @@ _SCHEMAS: dict[str, Any] = {
             "created": {**_NUMBER, "description": "epoch seconds"},
             "size": {"type": "integer"},
             "held": {"type": "boolean"},
+            "held_reason": {
+                **_NULLABLE_STRING,
+                "description": "why it is held: operator, expired, revalidation or error",
+            },
+            "held_at": {"type": ["number", "null"], "description": "epoch seconds"},
             "expires": {"type": ["number", "null"]},
             "tenant": _NULLABLE_STRING,
             "envid": _NULLABLE_STRING,
