@@ -146,3 +146,16 @@ def test_any_run_of_attempts_tells_at_most_one_final_event(run) -> None:
     # Never the same kind twice in a row: one event per change of reason.
     assert all(a != b for a, b in itertools.pairwise(deferrals))
     assert r.state != QUEUED
+
+
+def test_an_expiry_that_holds_for_review_is_an_expired_event_with_action_hold() -> None:
+    r0 = attempt(
+        Recipient("a@x.org"), "421 4.7.0 try later", "transient", "throttling", DEFERRED, T
+    )
+    held = message(r0, held=True, held_reason="expired", held_at=T + 1)
+    evs = derive.changed(message(r0), held, T, ACTIONS)
+    assert [(e.type, e.action, e.reason) for e in evs] == [
+        ("expired", "hold", None),
+        ("held", None, "expired"),
+    ]
+    assert evs[0].kind == "throttling" and evs[0].code == 421

@@ -13,25 +13,9 @@ from __future__ import annotations
 
 import re
 
-from ..model import BOUNCED, DELIVERED, EXPIRED, FINAL_STATES, Message, Recipient
-from .event import (
-    ACCEPTED,
-    CANCELLED,
-    DEFERRED,
-    DELAYED,
-    HELD,
-    SUPPRESSED,
-    Event,
-)
-from .event import (
-    BOUNCED as E_BOUNCED,
-)
-from .event import (
-    DELIVERED as E_DELIVERED,
-)
-from .event import (
-    EXPIRED as E_EXPIRED,
-)
+from ..model import BOUNCED, DELIVERED, EXPIRED, FINAL_STATES, HELD_AT_EXPIRY, Message, Recipient
+from . import event as ev
+from .event import Event
 
 DONE = "done"  # the Remove reason of a message whose recipients are all final
 _REPLY = re.compile(r"([2-5][0-9][0-9])(?: ([245]\.[0-9]{1,3}\.[0-9]{1,3}))?(?: (.*))?", re.DOTALL)
@@ -39,7 +23,7 @@ OPERATOR_BOUNCE = "returned by the administrator"
 
 
 def accepted(message: Message, now: float) -> list[Event]:
-    return [_event(ACCEPTED, message, r, now) for r in message.recipients]
+    return [_event(ev.ACCEPTED, message, r, now) for r in message.recipients]
 
 
 def changed(
@@ -52,12 +36,12 @@ def changed(
         old = olds[i] if i < len(olds) else new
         events.extend(_recipient(after, old, new, now, expire_actions))
     if after.held and not before.held:
-        events.extend(
-            # Why (model.HELD_*): "expired" and "revalidation" are the review queue's.
-            _event(HELD, after, r, now, reason=after.held_reason or "held")
-            for r in after.recipients
-            if r.state not in FINAL_STATES
-        )
+        pending = [r for r in after.recipients if r.state not in FINAL_STATES]
+        if after.held_reason == HELD_AT_EXPIRY:  # expiry with action hold: an expiry too
+            events.extend(_replied(ev.EXPIRED, after, r, now, action="hold") for r in pending)
+        # Why (model.HELD_*): "expired" and "revalidation" are the review queue's.
+        reason = after.held_reason or "held"
+        events.extend(_event(ev.HELD, after, r, now, reason=reason) for r in pending)
     return events
 
 
@@ -73,7 +57,7 @@ def removed(
     if reason == DONE:
         return changed(before, final, now, expire_actions) if final is not None else []
     return [
-        _event(CANCELLED, before, r, now, reason=reason)
+        _event(ev.CANCELLED, before, r, now, reason=reason)
         for r in before.recipients
         if r.state not in FINAL_STATES
     ]
@@ -83,9 +67,9 @@ def suppressed(address: str, reason: str, now: float, message: Message | None = 
     """An address added to the suppression list, or refused at RCPT (`message`: the
     transaction's sender, class and tenant as far as they are known)."""
     if message is None:
-        return Event("", 0, SUPPRESSED, now, None, None, None, None, address, reason=reason)
+        return Event("", 0, ev.SUPPRESSED, now, None, None, None, None, address, reason=reason)
     rcpt = Recipient(address)
-    return _event(SUPPRESSED, message, rcpt, now, reason=reason, message_id=None)
+    return _event(ev.SUPPRESSED, message, rcpt, now, reason=reason, message_id=None)
 
 
 def _recipient(
@@ -93,21 +77,21 @@ def _recipient(
 ) -> list[Event]:
     if new.state != old.state and new.state in FINAL_STATES:
         if new.state == DELIVERED:
-            return [_replied(E_DELIVERED, message, new, now)]
+            return [_replied(ev.DELIVERED, message, new, now)]
         if new.state == BOUNCED:
             cause = "operator" if OPERATOR_BOUNCE in (new.last_reply or "") else _kind(new)
-            return [_replied(E_BOUNCED, message, new, now, cause=cause or "other")]
+            return [_replied(ev.BOUNCED, message, new, now, cause=cause or "other")]
         if new.state == EXPIRED:
             action = expire_actions.get(message.klass, "bounce")
-            return [_replied(E_EXPIRED, message, new, now, action=action)]
+            return [_replied(ev.EXPIRED, message, new, now, action=action)]
     events = []
     if new.last_attempt != old.last_attempt and new.history and new.state not in FINAL_STATES:
         last = new.history[-1]
         earlier = [a.kind for a in old.history if a.outcome in ("transient", "ambiguous")]
         if last.outcome in ("transient", "ambiguous") and (not earlier or earlier[-1] != last.kind):
-            events.append(_replied(DEFERRED, message, new, now))
+            events.append(_replied(ev.DEFERRED, message, new, now))
     if new.delay_notified and not old.delay_notified:
-        events.append(_replied(DELAYED, message, new, now))
+        events.append(_replied(ev.DELAYED, message, new, now))
     return events
 
 
