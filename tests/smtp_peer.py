@@ -479,7 +479,7 @@ class _PeerSMTP(SMTP):
         ok = peer.auth.get(user) == password
         peer.auth_attempts.append(AuthAttempt(user, mechanism, ok, self.encrypted, self._client_ip))
         self._peer._log("auth", "235" if ok else "535", self, user)
-        return AuthResult(success=ok, auth_data=auth_data if ok else None)
+        return AuthResult(success=ok, handled=False, auth_data=auth_data if ok else None)
 
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:

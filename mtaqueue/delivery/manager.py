@@ -118,6 +118,7 @@ class DeliveryManager:
         self.core: Scheduler[WorkItem] | None = None
         self.on_delivery: Callable[[dict], None] | None = None  # each "delivery" event
         self.on_connect: Callable[[str, float], None] | None = None  # destination, seconds
+        self._started = False  # not started (delivery.enabled = false): nothing to save
         self.reconfigure(cfg)
         self._overrides: dict[str, Callable[[DestinationShaper, float], None]] = {}
         self._links: dict[int, _Link] = {}  # the core's slots, by connection id
@@ -138,7 +139,6 @@ class DeliveryManager:
         # start, given to each destination when it appears, saved every EXPIRY_CHECK.
         self._learned: dict[str, rate_learner.Learned] = {}
         self._saved = b""
-        self._started = False  # not started (delivery.enabled = false): nothing to save
 
     def reconfigure(self, cfg: config.Config) -> None:
         """Take new settings (start, or a reload): may raise ConfigError before changing
@@ -193,6 +193,8 @@ class DeliveryManager:
                     log.info("relay_reconfigured", destination=destination.key)
             self._repace(destination, now, fresh=fresh)
         self._smarthosts = secrets
+        if self._started:  # a reload: what new pacing (or a fresh smarthost) allows goes now
+            self._act(self._core.tick(now))
 
     def _repace(self, destination: Destination, now: float, fresh: bool = False) -> None:
         """Apply reloaded pacing and classes to a live destination; `fresh`: its state
