@@ -130,6 +130,7 @@ class Daemon:
                 free_bytes=lambda: self.spool.free_bytes,
                 journal_bytes=self.spool.journal_bytes,
                 alerts=self.alerts.active,
+                relay_of=self.delivery.relay_of,
             ),
             top_n=cfg.metrics.top_destinations,
         )

@@ -181,7 +181,7 @@ class DeliveryManager:
             core.rate, core.tenant_rate = rate, tenant_rate
             if core.classes != self.classes:
                 core.reclassify(self.classes)
-        by_key = routes.by_key()
+        by_key = self._relays_by_key = routes.by_key()
         for destination in self.destinations.values():
             fresh = False
             if destination.relay is not None and destination.key in by_key:
@@ -930,10 +930,16 @@ class DeliveryManager:
         now = time.time()
         settings = self._settings(message.klass)
         settlement = settle(message, results, now, self.rng, settings, retry_factor=retry_factor)
+        # (A smarthost that did not resolve has no live destination, but its key.)
+        relay = self._relays_by_key.get(destination) or getattr(
+            self.destinations.get(destination), "relay", None
+        )
         for event in settlement.events:
             if event.get("event") == "delivery":
                 event["destination"] = destination
                 event["class"] = message.klass
+                if relay is not None:
+                    event["relay"] = relay.source
         self._apply(settlement, now)
 
     def _unbusy(self, message_id: str, indexes: list[int]) -> None:
@@ -1188,14 +1194,15 @@ class DeliveryManager:
     async def view(self) -> list[dict]:
         """`mtaqueue-ctl domains`: every destination with waiting mail or state to show."""
 
-        def relay_of(message: Message) -> str | None:
-            relay = self.relays.for_message(message.klass, message.tenant)
-            return relay.key if relay is not None else None
-
-        view = DestinationsView(self.domains(), self._busy, relay_of)
+        view = DestinationsView(self.domains(), self._busy, self.relay_of)
         async for message in walk(self.spool.messages):
             view.add(message)
         return view.entries()
+
+    def relay_of(self, message: Message) -> str | None:
+        """The smarthost (destination key) all of a message goes to, or None."""
+        relay = self.relays.for_message(message.klass, message.tenant)
+        return relay.key if relay is not None else None
 
     def _unqueue(self, predicate: Callable[[WorkItem], bool]) -> None:
         for item in self._core.remove(time.time(), predicate):
