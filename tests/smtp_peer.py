@@ -399,7 +399,8 @@ class _PeerSMTP(SMTP):
         keywords.append("ENHANCEDSTATUSCODES")
         if self.tls_context and not self._tls_protocol:
             keywords.append("STARTTLS")
-        if peer.auth is not None and (self.encrypted or not self._auth_require_tls):
+        offer = self.encrypted or not self._auth_require_tls
+        if peer.auth is not None and self._auth_methods and offer:
             keywords.append("AUTH " + " ".join(sorted(self._auth_methods)))
         lines = [self.hostname, *keywords]
         return [f"250-{line}" for line in lines[:-1]] + [f"250 {lines[-1]}"]

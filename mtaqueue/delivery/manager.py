@@ -501,9 +501,9 @@ class DeliveryManager:
         if not groups and not busy:
             del self._busy[message_id]
             return
-        for hop, indexes in groups.items():
+        for where, indexes in groups.items():
             busy.update(indexes)
-            batch.setdefault(hop, []).append((message, indexes))
+            batch.setdefault(where, []).append((message, indexes))
 
     async def _route(
         self, hop: NextHop, relay: Relay | None, work: list[tuple[Message, list[int]]]
@@ -1193,7 +1193,6 @@ class DeliveryManager:
 
     async def view(self) -> list[dict]:
         """`mtaqueue-ctl domains`: every destination with waiting mail or state to show."""
-
         view = DestinationsView(self.domains(), self._busy, self.relay_of)
         async for message in walk(self.spool.messages):
             view.add(message)

@@ -26,6 +26,7 @@ from ..delivery.conversion import Refused, prepare
 from ..logs import get_logger
 from ..model import Message, Recipient
 from ..policy.replies import COMPLETES, Reply
+from ..routing.relays import IMPLICIT, STARTTLS
 from .addresses import xtext_encode
 
 # Content up to this size is checked for the hop on the event loop (tens of microseconds);
@@ -42,10 +43,6 @@ class ClientSettings:
     helo_name: str
     timeouts: TimeoutsConfig
     tls: str  # "opportunistic", "required" or "off"
-
-
-IMPLICIT = "implicit"  # TLS from the first byte (SMTPS)
-STARTTLS = "starttls"  # STARTTLS, required
 
 
 @dataclass(frozen=True, slots=True)
