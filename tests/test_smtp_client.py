@@ -14,7 +14,7 @@ from smtp_peer import SmtpPeer, self_signed_cert, self_signed_context
 from mtaqueue.config import TimeoutsConfig
 from mtaqueue.model import Message, Recipient
 from mtaqueue.policy.classify import classify
-from mtaqueue.routing.relays import STARTTLS
+from mtaqueue.routing.relays import IMPLICIT, STARTTLS
 from mtaqueue.smtp.client import ClientSettings, ConnectFailed, Smarthost, SmtpConnection
 
 TIMEOUTS = TimeoutsConfig()
@@ -117,4 +117,14 @@ def test_required_starttls_is_verified_and_auth_follows(tls):
         unverified = ssl.create_default_context()  # the system's CAs: not this certificate
         refused = open_smarthost(peer, Smarthost(STARTTLS, unverified, "u", "p"))
     assert refused.startswith("starttls: TLS session failed: TLS failed: [SSL: CERTIFICATE_VERIFY")
+    assert [(a.user, a.ok, a.tls) for a in peer.auth_attempts] == [("u", True, True)]
+
+
+def test_implicit_tls_is_verified_from_the_first_byte(tls):
+    server, client = tls
+    with SmtpPeer("127.0.0.2", implicit_tls=server, auth={"u": "p"}) as peer:
+        assert open_smarthost(peer, Smarthost(IMPLICIT, client, "u", "p")) == "open"
+        refused = open_smarthost(peer, Smarthost(IMPLICIT, ssl.create_default_context(), "u", "p"))
+    assert refused.startswith("banner: TLS failed: [SSL: CERTIFICATE_VERIFY_FAILED]")
+    assert refused.endswith("(tls)")
     assert [(a.user, a.ok, a.tls) for a in peer.auth_attempts] == [("u", True, True)]
