@@ -324,12 +324,17 @@ class RetryConfig(_Table):
 
 
 class RelayConfig(_Table):
-    """A next hop of a class or a tenant: a smarthost, perhaps with client AUTH."""
+    """A next hop of a class or a tenant: a smarthost, perhaps with client AUTH
+    (routing/relays.py)."""
 
     relayhost: str = ""  # "" = as delivery.relayhost and routes say; syntax of split_host_port()
     relay_user: str = ""  # "" = no AUTH
     relay_password_file: str = ""  # the password: the file's first line
-    relay_tls: Literal["auto", "starttls", "implicit"] = "auto"  # auto: implicit on port 465
+    # auto: implicit on port 465, else STARTTLS (required with relay_user, else delivery.tls)
+    relay_tls: Literal["auto", "starttls", "implicit"] = "auto"
+    # Required TLS verifies the smarthost's certificate and name: "" = against the system's
+    # CA store, else against the CAs in this PEM file (a private CA, a self-signed relay).
+    relay_tls_ca: str = ""
 
 
 class ClassConfig(RelayConfig):
@@ -656,8 +661,9 @@ def _check_url(url: str) -> None:
 def _validate_relay(path: str, relay: RelayConfig, default_port: int) -> None:
     if relay.relayhost:
         _check(f"{path}.relayhost", split_host_port, relay.relayhost, default_port)
-    if relay.relay_user and not relay.relayhost:
-        raise ConfigError(f"{path}.relay_user: needs {path}.relayhost")
+    for key in ("relay_user", "relay_tls_ca"):
+        if getattr(relay, key) and not relay.relayhost:
+            raise ConfigError(f"{path}.{key}: needs {path}.relayhost")
     if bool(relay.relay_user) != bool(relay.relay_password_file):
         missing = "relay_password_file" if relay.relay_user else "relay_user"
         raise ConfigError(f"{path}.{missing}: required with the other AUTH key")

@@ -140,6 +140,7 @@ class Daemon:
                 journal_bytes=self.spool.journal_bytes,
                 alerts=self.alerts.active,
                 webhooks=self.events.view,
+                relay_of=self.delivery.relay_of,
             ),
             top_n=cfg.metrics.top_destinations,
         )

@@ -77,12 +77,15 @@ class Sources:
     journal_bytes: Callable[[], int]
     alerts: Callable[[], Iterable[tuple[str, str]]]  # firing (alert, subject): Alerts.active
     webhooks: Callable[[], Iterable[Mapping[str, Any]]] = tuple  # events.Dispatcher.view
+    # The smarthost a message goes to whole (its class's or tenant's relay key), or None.
+    relay_of: Callable[[Message], str | None] = lambda message: None
 
 
 @dataclass(slots=True)
 class _QueueTally:
     """One walk over the queue: recipients by domain (far fewer keys to route than
-    recipients), messages by class, the oldest waiting message by class."""
+    recipients; a smarthost's mail under the smarthost's key instead), messages by class,
+    the oldest waiting message by class."""
 
     by_domain: Tally[tuple[str, str, str]] = field(default_factory=Tally)  # domain, class, state
     messages: Tally[str] = field(default_factory=Tally)  # class -> messages
@@ -91,7 +94,7 @@ class _QueueTally:
     review: int = 0  # messages in the review queue (control.views.in_review)
     review_since: float = math.inf  # when the one that has waited longest went there
 
-    def add(self, message: Message) -> None:
+    def add(self, message: Message, relay: str | None = None) -> None:
         klass = message.klass
         self.messages[klass] += 1
         if in_review(message):
@@ -100,7 +103,8 @@ class _QueueTally:
         waiting = False
         for rcpt in message.recipients:
             state = recipient_state(message, rcpt)
-            self.by_domain[rcpt.address.rpartition("@")[2].lower(), klass, state] += 1
+            where = relay or rcpt.address.rpartition("@")[2].lower()
+            self.by_domain[where, klass, state] += 1
             waiting = waiting or state in PENDING
         if waiting and message.created < self.oldest.get(klass, math.inf):
             self.oldest[klass] = message.created
@@ -168,7 +172,8 @@ class Metrics:
         destination = event["destination"]
         code = event["code"]
         reply = f"{code // 100}xx" if code else "none"
-        self._routes[event["domain"]] = destination
+        if not event.get("relay"):  # a smarthost carries a domain's mail, not all of it
+            self._routes[event["domain"]] = destination
         counts = self._replies.setdefault(destination, [0, 0])
         counts[0] += 1
         if reply in DEFERRALS:
@@ -334,7 +339,7 @@ class Metrics:
     async def _walk(self) -> None:
         tally = _QueueTally()
         async for message in walk(self.sources.queue()):
-            tally.add(message)
+            tally.add(message, self.sources.relay_of(message))
         self._tally = tally
 
     def _measure(self) -> _Shape:
@@ -343,7 +348,7 @@ class Metrics:
         shape = _Shape(list(self.sources.destinations()), self._tally)
         routes = dict(self._routes)
         for d in shape.destinations:
-            for domain in d["domains"]:
+            for domain in () if d.get("relay") else d["domains"]:
                 routes[domain] = d["destination"]
         waiting_domains: set[str] = set()
         for (domain, klass, state), count in shape.queue.by_domain.items():

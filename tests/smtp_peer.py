@@ -18,6 +18,12 @@ also closes the connection, as real servers do; multi-line replies may be writte
 "\\n"), `HANG` (stop answering), `DROP` (abort the connection), `None` (the default
 behaviour) or a callable `f(Context) -> action`.
 
+A smarthost: `auth={"user": "password"}` offers AUTH PLAIN and LOGIN (`auth_mechanisms`), only
+over TLS unless `auth_require_tls=False`; `auth_required=True` answers MAIL with 530 until the
+client authenticated; `require_starttls=True` answers 530 to anything but EHLO, STARTTLS,
+NOOP and QUIT before STARTTLS; `implicit_tls=context` speaks TLS from the first byte (SMTPS,
+port 465 style). `auth_attempts` records every AUTH, `Received.auth_user` who sent a message.
+
 Misbehaving peers: a 2xx where it does not belong is sent and the session goes on as if it
 were right (`peer.banner = "250 hi"`, `on("mail", "252 ok")`, `on("data", "250 ok")`);
 `Raw(b"...")` sends bytes as they are (garbage, an over-long line, two replies at once);
@@ -64,7 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from aiosmtpd.smtp import SMTP, Envelope, syntax
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, syntax
 
 HANG = "hang"
 DROP = "drop"
@@ -128,6 +134,7 @@ class Received:
     tls: bool = False
     connection: int = 0  # connection number on this peer (1-based)
     txn: int = 0  # transaction number within that connection (1-based)
+    auth_user: str | None = None  # who had authenticated, if anyone
 
     @property
     def mail_params(self) -> dict[str, str | bool]:
@@ -146,6 +153,14 @@ class Received:
         if self.content is None:
             raise ValueError("peer runs with keep_content=False")
         return email.message_from_bytes(self.content, policy=email.policy.default)
+
+
+class AuthAttempt(NamedTuple):
+    user: str
+    mechanism: str
+    ok: bool
+    tls: bool  # whether the session was encrypted when the credentials came
+    client_ip: str
 
 
 class LogEntry(NamedTuple):
@@ -384,6 +399,9 @@ class _PeerSMTP(SMTP):
         keywords.append("ENHANCEDSTATUSCODES")
         if self.tls_context and not self._tls_protocol:
             keywords.append("STARTTLS")
+        offer = self.encrypted or not self._auth_require_tls
+        if peer.auth is not None and self._auth_methods and offer:
+            keywords.append("AUTH " + " ".join(sorted(self._auth_methods)))
         lines = [self.hostname, *keywords]
         return [f"250-{line}" for line in lines[:-1]] + [f"250 {lines[-1]}"]
 
@@ -445,9 +463,31 @@ class _PeerSMTP(SMTP):
     async def _syntax_error(self, phase: str, message: str, arg: str = "") -> None:
         await self._act(phase, message, arg)
 
+    @property
+    def encrypted(self) -> bool:
+        return self._tls_protocol is not None or self._peer.implicit_tls is not None
+
+    def _auth_user(self) -> str | None:
+        data = getattr(self.session, "auth_data", None) if self.session else None
+        if not (self.session and self.session.authenticated and data is not None):
+            return None
+        return data.login.decode()
+
+    def _authenticate(self, mechanism: str, auth_data: object) -> AuthResult:
+        peer = self._peer
+        assert peer.auth is not None and isinstance(auth_data, LoginPassword)
+        user, password = auth_data.login.decode(), auth_data.password.decode()
+        ok = peer.auth.get(user) == password
+        peer.auth_attempts.append(AuthAttempt(user, mechanism, ok, self.encrypted, self._client_ip))
+        self._peer._log("auth", "235" if ok else "535", self, user)
+        return AuthResult(success=ok, handled=False, auth_data=auth_data if ok else None)
+
     @syntax("MAIL FROM: <address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:
         if await self.check_helo_needed():
+            return
+        if await self.check_auth_needed("MAIL"):  # auth_required: 530 5.7.0
+            self._peer._log("mail", "530 5.7.0 Authentication required", self)
             return
         usage = "501 5.5.4 Syntax: MAIL FROM:<address>"
         rest = self._strip_command_keyword("FROM:", arg) if arg else None
@@ -633,9 +673,10 @@ class _PeerSMTP(SMTP):
             replied=replied,
             reply=_text(reply) if replied else None,
             helo=self.session.host_name or "",
-            tls=self._tls_protocol is not None,
+            tls=self.encrypted,
             connection=self._conn,
             txn=self._txn,
+            auth_user=self._auth_user(),
         )
         accepted = not replied or _text(reply).startswith("2")
         (peer.messages if accepted else peer.rejected).append(record)
@@ -644,6 +685,10 @@ class _PeerSMTP(SMTP):
             return reply  # aiosmtpd pushes it (and push() closes after a 421)
         await self._act("data_end", reply)  # hangs or drops; never returns
         raise AssertionError("unreachable")
+
+
+def _authenticator(server: _PeerSMTP, session, envelope, mechanism: str, data) -> AuthResult:
+    return server._authenticate(mechanism, data)
 
 
 class _Handler:
@@ -684,6 +729,12 @@ class SmtpPeer:
         smtputf8: bool = True,
         eightbitmime: bool = True,
         starttls: ssl.SSLContext | None = None,
+        implicit_tls: ssl.SSLContext | None = None,
+        require_starttls: bool = False,
+        auth: dict[str, str] | None = None,
+        auth_mechanisms: tuple[str, ...] = ("LOGIN", "PLAIN"),
+        auth_required: bool = False,
+        auth_require_tls: bool = True,
         pipelining: bool = False,
         data_size_limit: int = 33554432,
         timeout: float = 300.0,
@@ -698,6 +749,13 @@ class SmtpPeer:
         self.smtputf8 = smtputf8
         self.eightbitmime = eightbitmime
         self.starttls = starttls
+        self.implicit_tls = implicit_tls
+        self.require_starttls = require_starttls
+        self.auth = auth
+        self.auth_mechanisms = auth_mechanisms
+        self.auth_required = auth_required
+        self.auth_require_tls = auth_require_tls
+        self.auth_attempts: list[AuthAttempt] = []
         self.pipelining = pipelining
         self.data_size_limit = data_size_limit
         self.timeout = timeout
@@ -891,7 +949,7 @@ class SmtpPeer:
             return
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self._protocol, self.host, self.port, reuse_address=True
+            self._protocol, self.host, self.port, reuse_address=True, ssl=self.implicit_tls
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -924,6 +982,12 @@ class SmtpPeer:
             tls_context=self.starttls,
             timeout=self.timeout,
             loop=self._loop,
+            require_starttls=self.require_starttls,
+            auth_required=self.auth_required,
+            # Implicit TLS: encrypted from the first byte, which aiosmtpd does not know.
+            auth_require_tls=self.auth_require_tls and self.implicit_tls is None,
+            auth_exclude_mechanism=[m for m in ("LOGIN", "PLAIN") if m not in self.auth_mechanisms],
+            authenticator=_authenticator if self.auth is not None else None,
         )
 
     # -- internals: called from the loop thread --

@@ -72,6 +72,16 @@ def test_a_success_while_open_changes_nothing(breaker):
     assert breaker.state(10.0) == OPEN
 
 
+def test_trip_opens_it_at_once_and_counts_once_while_open(breaker):
+    breaker.trip(0.0)  # a failure every attempt would repeat (refused credentials)
+    assert breaker.state(0.0) == OPEN and breaker.reopen_at == COOLDOWN
+    breaker.trip(5.0)
+    assert (breaker.reopen_at, breaker.trips) == (COOLDOWN, 1)
+    assert breaker.allow(COOLDOWN)  # the probe
+    breaker.trip(COOLDOWN + 1)  # refused again: open for longer
+    assert (breaker.reopen_at, breaker.trips) == (COOLDOWN + 1 + 2 * COOLDOWN, 2)
+
+
 def test_half_open_allows_one_probe(breaker):
     trip(breaker, 0.0)
     assert breaker.state(29.9) == OPEN

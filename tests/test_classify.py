@@ -19,7 +19,7 @@ from mtaqueue.policy.classify import (
 )
 from mtaqueue.policy.replies import NETWORK_EVENTS, PHASES, Reply
 
-SETUP = ("connect", "banner", "ehlo", "starttls")
+SETUP = ("connect", "banner", "ehlo", "starttls", "auth")
 TRANSACTION = ("mail", "rcpt", "data")
 
 
@@ -322,6 +322,21 @@ CASES = [
     " => transient message throttling 4.2.1",
     "data_end 421 4.4.2 Timeout exceeded => transient destination other 4.4.2",
     "data_end 550 Message rejected => permanent message other 5.0.0",
+    # --- a smarthost: our client AUTH refused, or demanded: our config, never a bounce
+    "auth 535 5.7.8 Error: authentication failed: authentication failure"
+    " => transient destination auth 4.7.8",
+    "auth 535 Authentication credentials invalid => transient destination auth 4.7.0",
+    "auth 534 5.7.9 Authentication mechanism is too weak => transient destination auth 4.7.9",
+    "auth 538 5.7.11 Encryption required for requested authentication mechanism"
+    " => transient destination auth 4.7.11",
+    "auth 504 5.5.4 Unrecognized authentication type => transient destination auth 4.5.4",
+    "auth 502 5.5.1 Error: authentication not enabled => transient destination auth 4.5.1",
+    # A temporary failure of the server's own (its password backend) is the host's.
+    "auth 454 4.7.0 Temporary authentication failure => transient host policy 4.7.0",
+    "auth 421 4.3.2 Service not available => transient destination other 4.3.2",
+    "mail 530 5.7.0 Authentication required => transient destination auth 4.7.0",
+    "mail 530 Must issue a STARTTLS command first => transient destination auth 4.7.0",
+    "rcpt 530 5.7.0 Authentication required => transient destination auth 4.7.0",
     # --- successes, and codes out of place
     "data_end 250 2.0.0 OK 1700000000 x-gsmtp => delivered message ok 2.0.0",
     "data_end 250 Ok: queued as 4Z7 => delivered message ok 2.0.0",
@@ -374,6 +389,10 @@ def test_table(case):
         ("ehlo", "lost", "transient host network 4.4.2"),
         ("starttls", "timeout", "transient host network 4.4.2"),
         ("starttls", "tls", "transient host tls 4.7.5"),
+        ("auth", "timeout", "transient host network 4.4.2"),
+        ("auth", "tls", "transient host tls 4.7.5"),
+        # A smarthost that offers no mechanism we can use: our config, like a refused AUTH.
+        ("auth", "auth", "transient destination auth 4.7.0"),
         ("ehlo", "tls", "transient host tls 4.7.5"),
         # During a transaction: a 451 for all of it (RFC 5321 3.8), 4.4.2 bad connection
         ("mail", "timeout", "transient message network 4.4.2"),
@@ -657,7 +676,8 @@ def test_class_digit_decides_unless_known_soft(reply):
     if klass == 4:
         assert v.outcome == "transient"  # a 4xx never bounces
     if klass == 5:
-        soft = v.kind in ("mailbox_full", "too_many_recipients") or reply.phase in SETUP
+        # (530 and a refused AUTH are our configuration's problem: they defer.)
+        soft = v.kind in ("mailbox_full", "too_many_recipients", "auth") or reply.phase in SETUP
         assert v.outcome == ("transient" if soft else "permanent")
     # Delivered is a 2xx after the final dot (or 250/251 to RCPT); a 2xx anywhere else is not.
     if v.outcome == "delivered":
@@ -680,7 +700,9 @@ def test_no_reply_after_the_dot_is_ambiguous_and_nothing_else_is(phase, network,
     assert (v.outcome == "ambiguous") == (phase == "data_end")
     if phase in ("data_end", "dns"):  # (a failed next-hop lookup is the destination's)
         return
-    if network == "protocol":  # garbage: the host's, at any phase
+    if network == "auth":  # a smarthost with no AUTH mechanism for us: our config's
+        assert v.scope == "destination" and v.kind == "auth" and v.outcome == "transient"
+    elif network == "protocol":  # garbage: the host's, at any phase
         assert v.scope == "host" and v.kind == "protocol"
     elif network == "local":  # our own failure: never the host's
         assert v.scope == "message" and v.outcome == "transient"

@@ -424,6 +424,7 @@ def test_shipped_config_names_every_key_and_only_real_keys() -> None:
     ("item", "message"),
     [
         ("classes.p0.relay_user=u", "classes.p0.relay_user: needs classes.p0.relayhost"),
+        ("tenants.a.relay_tls_ca=/ca.pem", "tenants.a.relay_tls_ca: needs tenants.a.relayhost"),
         ("classes.p0.revalidate_after=1h", "classes.p0.revalidate_after: needs revalidate.url"),
         ("classes.p0.relayhost=[bad host]:25", "classes.p0.relayhost: invalid host"),
         ("revalidate.url=ftp://x", "revalidate.url: invalid URL"),

@@ -10,6 +10,7 @@ from mtaqueue.delivery.destination import Destination, DestinationsView
 from mtaqueue.model import DEFERRED, DELIVERED, QUEUED, Message, Recipient
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.shaper import DestinationShaper
+from mtaqueue.routing.relays import relays
 
 NOW = 1_800_000_000.0
 CLASSES = {"p0": (0, 1), "p1": (1, 4), "p2": (2, 1)}
@@ -109,3 +110,26 @@ def test_text_shows_waiting_mail_rates_and_suspended_hosts():
     assert "  deferred    p2 3   (messages waiting to retry)\n" in text
     assert "  state       none: not routed since the start\n" in text
     assert "  last        451 4.7.1 greylisted\n" in text
+
+
+def test_a_smarthosts_mail_waits_there_and_it_owns_no_domain():
+    esp = "relay:tx@smtp.esp.example:587"
+    mx = live("mx.provider.test", "example.org")
+    smarthost = live(esp, "example.org")  # it carried p0 mail for example.org too
+    smarthost.relay = relays(
+        config.load(None, ["classes.p0.relayhost=[smtp.esp.example]:587"])
+    ).classes["p0"]
+    messages = [
+        message("A", deferred("a@example.org"), deferred("b@other.test"), klass="p0"),
+        message("B", deferred("c@example.org")),
+    ]
+    snapshots = [d.snapshot(NOW, {}, QUEUED_NONE, 0) for d in (mx, smarthost)]
+    view = DestinationsView(snapshots, {}, lambda m: esp if m.klass == "p0" else None)
+    for msg in messages:
+        view.add(msg)
+    deferred_at = {d["destination"]: d["deferred"] for d in view.entries()}
+    assert deferred_at == {esp: {"p0": 1}, "mx.provider.test": {"p1": 1}}
+    assert {d["destination"]: d["relay"] for d in snapshots} == {
+        "mx.provider.test": None,
+        esp: "classes.p0",
+    }

@@ -35,6 +35,7 @@ from mtaqueue.policy.classify import classify
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.settle import Result, SettleSettings, settle
 from mtaqueue.policy.shaper import DestinationShaper
+from mtaqueue.routing.relays import relays
 from mtaqueue.spool import walk
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -52,7 +53,7 @@ class State:
         self.alerts: list[tuple[str, str]] = []
         self.dns = (0, 0)
 
-    def metrics(self, top_n: int = 20) -> Metrics:
+    def metrics(self, top_n: int = 20, relay_of=lambda message: None) -> Metrics:
         sources = Sources(
             queue=lambda: {m.id: m for m in self.messages},
             classes=lambda: CLASSES,
@@ -64,6 +65,7 @@ class State:
             free_bytes=lambda: 5 * 2**30,
             journal_bytes=lambda: 12345,
             alerts=lambda: self.alerts,
+            relay_of=relay_of,
         )
         return Metrics(sources, top_n=top_n, clock=lambda: NOW)
 
@@ -175,6 +177,29 @@ def test_a_scrape_shows_the_queue_the_pacing_and_the_spool():
     assert value(found, "mtaqueue_spool_free_bytes") == 5 * 2**30
     assert value(found, "mtaqueue_spool_journal_bytes") == 12345
     assert value(found, "mtaqueue_alert_active", alert="oldest_age", subject="p0") == 1
+
+
+def test_a_smarthost_counts_its_own_mail_and_takes_no_domain_from_the_mx():
+    esp = "relay:tx@smtp.esp.example:587"
+    relayed = message("A", "p0", 10, ("a@gmail.com", DEFERRED), ("b@example.org", DEFERRED))
+    direct = message("B", "p1", 10, ("c@gmail.com", DEFERRED))
+    state = State()
+    state.messages = [relayed, direct]
+    smarthost, _ = destination(esp, "gmail.com", "example.org")  # it carried some of gmail's
+    smarthost.relay = relays(
+        config.load(None, ["classes.p0.relayhost=[smtp.esp.example]:587"])
+    ).classes["p0"]
+    state.destinations = [destination(GMAIL, "gmail.com"), (smarthost, 0)]
+    metrics = state.metrics(relay_of=lambda m: esp if m.klass == "p0" else None)
+    event = delivery_event(relayed, 0, "auth", 535, "5.7.8 Authentication failed", esp)
+    metrics.observe_delivery(event | {"relay": "classes.p0"})
+    state.destinations = []  # gone: what the events taught is all that routes
+    asyncio.run(metrics.refresh())
+    depth = {name: d.depth for name, d in metrics.snapshot(NOW).destinations.items()}
+    assert depth == {esp: 2, "gmail.com": 1}  # (c@gmail.com: no live MX, its domain)
+    state.destinations = [destination(GMAIL, "gmail.com"), (smarthost, 0)]
+    depth = {name: d.depth for name, d in metrics.snapshot(NOW).destinations.items()}
+    assert depth == {esp: 2, GMAIL: 1}
 
 
 def test_delivery_attempts_and_latencies_are_counted():

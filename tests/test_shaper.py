@@ -268,6 +268,25 @@ def test_a_throttled_probe_reopens():
     assert shaper.snapshot(31.0)["circuit"] == "open"
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [
+        Reply("auth", 535, "5.7.8", "Authentication credentials invalid"),
+        Reply("mail", 530, "5.7.0", "Authentication required"),  # at MAIL: still not an answer
+        Reply("auth", 0, "", "relay.test offers no AUTH", network="auth"),
+    ],
+)
+def test_refused_auth_opens_the_circuit_at_once_and_a_refused_probe_keeps_it_open(reply):
+    shaper = shaper_at()
+    report(shaper, 0.0, reply)  # one: every connection would be refused alike
+    snap = shaper.snapshot(0.0)
+    assert (snap["circuit"], snap["reopen_at"], snap["trips"]) == ("open", 30.0, 1)
+    assert shaper.connect_wait(1.0, 0, 0, True) == pytest.approx(29.0)
+    shaper.connected(30.0)  # the probe
+    report(shaper, 31.0, reply)
+    assert shaper.snapshot(31.0)["circuit"] == "open"
+
+
 def test_a_bounce_shows_the_site_answering():
     shaper = probing()
     report(shaper, 31.0, NO_SUCH_USER)

@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import email
 import email.policy
+import ssl
 
 import pytest
-from smtp_peer import SmtpPeer
+from smtp_peer import SmtpPeer, self_signed_cert, self_signed_context
 
 from mtaqueue.config import TimeoutsConfig
 from mtaqueue.model import Message, Recipient
 from mtaqueue.policy.classify import classify
-from mtaqueue.smtp.client import ClientSettings, SmtpConnection
+from mtaqueue.routing.relays import IMPLICIT, STARTTLS
+from mtaqueue.smtp.client import ClientSettings, ConnectFailed, Smarthost, SmtpConnection
 
 TIMEOUTS = TimeoutsConfig()
 SETTINGS = ClientSettings("mx.test", TIMEOUTS, "off")
@@ -73,3 +75,56 @@ def test_an_address_that_cannot_be_sent_fails_alone_as_a_local_error(peer):
     assert classify(refused).outcome == "transient"  # charged and retried, never a loop
     assert accepted.code == 250
     assert [m.rcpt_tos for m in peer.messages] == [["b@example.org"]]
+
+
+def open_smarthost(peer: SmtpPeer, smarthost: Smarthost) -> str:
+    """How opening a connection to `peer` as a smarthost ends: "open" or the reply."""
+
+    async def run() -> str:
+        try:
+            conn = await SmtpConnection.open(
+                "smarthost.test", peer.host, peer.port, SETTINGS, smarthost=smarthost
+            )
+        except ConnectFailed as failed:
+            return f"{failed.reply.phase}: {failed.reply.line()} ({classify(failed.reply).kind})"
+        await conn.quit()
+        return "open"
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def tls(tmp_path):
+    cert, _ = self_signed_cert(tmp_path, "smarthost.test")
+    server = self_signed_context(tmp_path, "smarthost.test")
+    return server, ssl.create_default_context(cafile=str(cert))
+
+
+def test_a_smarthost_without_plain_or_login_gets_no_credentials(tls):
+    server, client = tls
+    with SmtpPeer("127.0.0.2", starttls=server, auth={"u": "p"}, auth_mechanisms=()) as peer:
+        outcome = open_smarthost(peer, Smarthost(STARTTLS, client, "u", "p"))
+    assert (
+        outcome == "auth: smarthost.test offers no AUTH: AUTH PLAIN or LOGIN is needed for u (auth)"
+    )
+    assert peer.auth_attempts == []
+
+
+def test_required_starttls_is_verified_and_auth_follows(tls):
+    server, client = tls
+    with SmtpPeer("127.0.0.2", starttls=server, auth={"u": "p"}) as peer:
+        assert open_smarthost(peer, Smarthost(STARTTLS, client, "u", "p")) == "open"
+        unverified = ssl.create_default_context()  # the system's CAs: not this certificate
+        refused = open_smarthost(peer, Smarthost(STARTTLS, unverified, "u", "p"))
+    assert refused.startswith("starttls: TLS session failed: TLS failed: [SSL: CERTIFICATE_VERIFY")
+    assert [(a.user, a.ok, a.tls) for a in peer.auth_attempts] == [("u", True, True)]
+
+
+def test_implicit_tls_is_verified_from_the_first_byte(tls):
+    server, client = tls
+    with SmtpPeer("127.0.0.2", implicit_tls=server, auth={"u": "p"}) as peer:
+        assert open_smarthost(peer, Smarthost(IMPLICIT, client, "u", "p")) == "open"
+        refused = open_smarthost(peer, Smarthost(IMPLICIT, ssl.create_default_context(), "u", "p"))
+    assert refused.startswith("banner: TLS failed: [SSL: CERTIFICATE_VERIFY_FAILED]")
+    assert refused.endswith("(tls)")
+    assert [(a.user, a.ok, a.tls) for a in peer.auth_attempts] == [("u", True, True)]

@@ -306,6 +306,8 @@ def _per_minute(rate: float) -> str:
 def _domains_show(reply: Reply, out: TextIO) -> None:
     for d in reply:
         out.write(f"{d['destination']}  ({', '.join(d.get('domains', []))})\n")
+        if d.get("relay"):
+            out.write(f"  relay       smarthost of {d['relay']}\n")
         out.write(f"  queued      {_counts(d.get('queued'))}   (messages ready to go)\n")
         out.write(f"  deferred    {_counts(d.get('deferred'))}   (messages waiting to retry)\n")
         if not d.get("routed", True):

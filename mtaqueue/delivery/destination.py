@@ -2,13 +2,14 @@
 
 Domains hosted by one provider resolve to the same MX hosts and so share one
 destination, its limits and its state (shaping.group_by = "mx"); with
-group_by = "domain" every domain is its own destination.
+group_by = "domain" every domain is its own destination. A smarthost of a class or a
+tenant is one of its own, whatever domains it carries (routing/relays.py `Relay.key`).
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..config import Pacing
@@ -16,8 +17,10 @@ from ..model import DEFERRED, QUEUED, Message
 from ..policy.hosts import host_key
 from ..policy.replies import Reply
 from ..policy.shaper import DestinationShaper
+from ..routing.relays import Relay
 from ..routing.resolver import Route
 from ..smtp.addresses import domain_of
+from ..smtp.client import Smarthost
 
 STATS_WINDOW = 600.0  # seconds of replies behind the 4xx rate
 
@@ -31,7 +34,9 @@ class WorkItem:
     tenant: str | None = None
 
 
-def destination_key(domain: str, route: Route, group_by: str) -> str:
+def destination_key(domain: str, route: Route, group_by: str, relay: Relay | None = None) -> str:
+    if relay is not None:
+        return relay.key
     if group_by == "domain":
         return domain
     names = ",".join(sorted({host.name for host in route.hosts}))
@@ -44,11 +49,26 @@ class Destination:
         key: str,
         pacing: Pacing,
         shaper: DestinationShaper,
+        *,
+        hosts: Iterable[str] | None = None,
+        port: int = 25,
+        relay: Relay | None = None,
+        smarthost: Smarthost | None = None,
     ) -> None:
-        """Its ready queue and connections are the scheduler core's."""
+        """Its ready queue and connections are the scheduler core's. `hosts` (and `port`):
+        the host names of its route; None: those of an MX key ("names[:port]")."""
         self.key = key
         self.pacing = pacing
         self.shaper = shaper
+        if hosts is None:
+            names, _, number = key.rpartition(":")  # destination_key's "names[:port]"
+            if not number.isdigit():
+                names, number = key, "25"
+            hosts, port = names.split(","), int(number)
+        self.hosts = tuple(hosts)
+        self.port = port
+        self.relay = relay  # a class's or tenant's smarthost, or None (MX, routes)
+        self.smarthost = smarthost  # its TLS and AUTH (the password: kept, never shown)
         self.domains: set[str] = set()
         self.last_replies: deque[str] = deque(maxlen=5)
         self.waiting: set[str] = set()  # ids of messages routed here, perhaps still pending
@@ -74,13 +94,11 @@ class Destination:
     ) -> dict:
         """`queued`: its waiting items by class; `active`: its connections."""
         shaping = self.shaper.snapshot(now)
-        names, _, port = self.key.rpartition(":")  # destination_key's "names[:port]"
-        if not port.isdigit():
-            names, port = self.key, "25"
-        hosts = {host_key(name, int(port)) for name in names.split(",")}
+        hosts = {host_key(name, self.port) for name in self.hosts}
         return {
             "destination": self.key,
             "routed": True,
+            "relay": self.relay.source if self.relay is not None else None,
             "domains": sorted(self.domains),
             "queued": queued,
             "active": active,
@@ -98,13 +116,23 @@ class DestinationsView:
     recipient there waiting for its retry time (pending, not held, not queued or in
     transit: `busy`); and for deferred mail no live destination has routed (after a
     restart, say) one entry per domain, `routed` false, with its recipients' last
-    replies."""
+    replies. Mail of a class or tenant with a smarthost counts there (`relay_of`: its
+    destination key, or None), not at its domains' MX."""
 
-    def __init__(self, live: list[dict], busy: Mapping[str, Collection[int]]) -> None:
+    def __init__(
+        self,
+        live: list[dict],
+        busy: Mapping[str, Collection[int]],
+        relay_of: Callable[[Message], str | None] = lambda message: None,
+    ) -> None:
         self._live = live
-        self._owner = {domain: d["destination"] for d in live for domain in d["domains"]}
+        # A smarthost carries many domains, and owns none of them.
+        self._owner = {
+            domain: d["destination"] for d in live if not d.get("relay") for domain in d["domains"]
+        }
         self._names = {d["destination"] for d in live}
         self._busy = busy
+        self._relay_of = relay_of
         self._deferred: dict[str, Counter[str]] = {}
         self._replies: dict[str, list[tuple[float, str]]] = {}
 
@@ -112,12 +140,13 @@ class DestinationsView:
         if message.held:
             return
         in_transit = self._busy.get(message.id, ())
+        relay = self._relay_of(message)
         seen: set[str] = set()
         for i, rcpt in enumerate(message.recipients):
             if rcpt.state not in (QUEUED, DEFERRED) or i in in_transit:
                 continue
             domain = domain_of(rcpt.address)
-            name = self._owner.get(domain, domain)
+            name = relay or self._owner.get(domain, domain)
             if name not in seen:  # a message counts once per destination
                 seen.add(name)
                 self._deferred.setdefault(name, Counter())[message.klass] += 1

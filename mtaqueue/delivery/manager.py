@@ -6,8 +6,10 @@ concurrency, rates, backoff mode, circuit breaker) in that one place. This drive
 the I/O it asks for (routing, SMTP through delivery/sender.py, the spool), settles what
 each attempt got (policy/settle.py) and tells the core. Data path: a due message's
 pending recipients are grouped by next hop, routed (MX lookup), and queued as work items
-in their destination (the MX host set). Mail that waits for pacing is not charged an
-attempt.
+in their destination (the MX host set). A message whose class or tenant has a smarthost
+(routing/relays.py) goes there whole, whatever its recipients' domains: the smarthost is a
+destination of its own, paced and broken like any other. Mail that waits for pacing is not
+charged an attempt.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ..policy import rate_learner
 from ..policy.backoff import RetryPolicy, restart_due
 from ..policy.breaker import CLOSED
 from ..policy.buckets import TokenBucket
-from ..policy.classify import compile_rules
+from ..policy.classify import AUTH, TLS, compile_rules
 from ..policy.fairness import class_order
 from ..policy.hosts import HostSuspensions
 from ..policy.replies import Reply
@@ -57,6 +59,7 @@ from ..policy.settle import (
 )
 from ..policy.shaper import DestinationShaper, ShaperState, pacing_for, stated_rate
 from ..routing.nexthop import NextHop, next_hop
+from ..routing.relays import Relay, relays, unrouted
 from ..routing.resolver import Resolver, Route, RouteFailure
 from ..scheduler.core import (
     Action,
@@ -75,6 +78,7 @@ from ..spool import statefile
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool, StorageError, StorageFull
 from ..spool.walk import WALK_CHUNK, chunks, walk
+from . import smarthosts
 from .destination import Destination, DestinationsView, WorkItem, destination_key
 from .revalidation import Revalidation
 from .sender import Sender, Suspended
@@ -90,6 +94,8 @@ PENDING = (QUEUED, DEFERRED)
 # overdue mail found at start is let into the scheduler (Postfix: 20,000 as well).
 ACTIVE_LIMIT = 20_000
 RELEASE_POLL = 0.1  # seconds between looks for room in the active window
+# A batch of due mail, by where it goes: a next hop, and the smarthost it is (or None).
+Hop = tuple[NextHop, Relay | None]
 
 
 @dataclass(slots=True)
@@ -124,6 +130,7 @@ class DeliveryManager:
         self.on_delivery: Callable[[dict], None] | None = None  # each "delivery" event
         self.on_connect: Callable[[str, float], None] | None = None  # destination, seconds
         self.revalidation = Revalidation(cfg, self._revalidated)
+        self._started = False  # not started (delivery.enabled = false): nothing to save
         self.reconfigure(cfg)
         self._overrides: dict[str, Callable[[DestinationShaper, float], None]] = {}
         self._links: dict[int, _Link] = {}  # the core's slots, by connection id
@@ -144,7 +151,6 @@ class DeliveryManager:
         # start, given to each destination when it appears, saved every EXPIRY_CHECK.
         self._learned: dict[str, rate_learner.Learned] = {}
         self._saved = b""
-        self._started = False  # not started (delivery.enabled = false): nothing to save
 
     def reconfigure(self, cfg: config.Config) -> None:
         """Take new settings (start, or a reload): may raise ConfigError before changing
@@ -152,6 +158,8 @@ class DeliveryManager:
         d = cfg.delivery
         rules = compile_rules(d.rules)
         self.revalidation.reconfigure(cfg)
+        routes = relays(cfg)
+        secrets = smarthosts.load(routes)  # passwords and CA files, read again at each reload
         now = time.time()
         client = ClientSettings(d.helo_name or self.hostname, d.timeouts, d.tls)
         self.sender = Sender(client, rules, self.hosts, d)
@@ -171,6 +179,7 @@ class DeliveryManager:
         tenant_rate = cfg.shaping.tenant_rate
         tenant_rate = config.parse_rate(tenant_rate) if tenant_rate else 0.0
         self.cfg = cfg
+        self.relays = routes
         if self.core is None:
             self.core = Scheduler(
                 self.classes,
@@ -185,15 +194,28 @@ class DeliveryManager:
             core.rate, core.tenant_rate = rate, tenant_rate
             if core.classes != self.classes:
                 core.reclassify(self.classes)
+        by_key = self._relays_by_key = routes.by_key()
         for destination in self.destinations.values():
-            self._repace(destination, now)
+            fresh = False
+            if destination.relay is not None and destination.key in by_key:
+                # A smarthost no longer named keeps its settings for the mail queued there.
+                smarthost = secrets[destination.key]
+                fresh = smarthost != destination.smarthost
+                destination.relay, destination.smarthost = by_key[destination.key], smarthost
+                if fresh:
+                    log.info("relay_reconfigured", destination=destination.key)
+            self._repace(destination, now, fresh=fresh)
+        self._smarthosts = secrets
+        if self._started:  # a reload: what new pacing (or a fresh smarthost) allows goes now
+            self._act(self._core.tick(now))
 
-    def _repace(self, destination: Destination, now: float) -> None:
-        """Apply reloaded pacing and classes to a live destination."""
-        domain = min(destination.domains) if destination.domains else destination.key
-        hosts = destination.key.split(":")[0].split(",")
-        pacing = pacing_for(self.cfg.shaping, domain, hosts)
-        if pacing != destination.pacing:
+    def _repace(self, destination: Destination, now: float, fresh: bool = False) -> None:
+        """Apply reloaded pacing and classes to a live destination; `fresh`: its state
+        starts over too, what it learned aside (a smarthost's new password or TLS settings
+        deserve an attempt now, not after the breaker's cooldown)."""
+        domain = self._domain_of(destination)
+        pacing = pacing_for(self.cfg.shaping, domain, destination.hosts)
+        if pacing != destination.pacing or fresh:
             destination.pacing = pacing
             learned = destination.shaper.learned()
             destination.shaper = DestinationShaper(
@@ -201,9 +223,17 @@ class DeliveryManager:
                 self.cfg.shaping,
                 now,
                 learned,
-                stated_rate=stated_rate(self.cfg.shaping, domain, hosts),
+                stated_rate=stated_rate(self.cfg.shaping, domain, destination.hosts),
             )
             self._core.add_destination(destination.key, destination.shaper, pacing)
+
+    @staticmethod
+    def _domain_of(destination: Destination) -> str:
+        """The domain its pacing rules match on: none for a smarthost (a rule for
+        gmail.com paces Gmail's MX, not an ESP that carries some of that mail)."""
+        if destination.relay is not None:
+            return ""
+        return min(destination.domains) if destination.domains else destination.key
 
     @property
     def _core(self) -> Scheduler[WorkItem]:
@@ -381,7 +411,7 @@ class DeliveryManager:
         """Everything due now is routed together: one lookup per next hop, not one per
         message (a restart can make thousands due in the same moment)."""
         now = time.time()
-        batch: dict[NextHop, list[tuple[Message, list[int]]]] = {}
+        batch: dict[Hop, list[tuple[Message, list[int]]]] = {}
         for message_id in message_ids:
             try:
                 self._dispatch(message_id, now, batch)
@@ -389,8 +419,8 @@ class DeliveryManager:
                 log.exception("dispatch_failed", id=message_id)
                 self._busy.pop(message_id, None)
                 self._retry_later(message_id, None, exc)
-        for hop, work in batch.items():
-            self._spawn(self._route(hop, work))
+        for (hop, relay), work in batch.items():
+            self._spawn(self._route(hop, relay, work))
 
     async def _expiry_sweep(self) -> None:
         while not self._closing:
@@ -463,20 +493,25 @@ class DeliveryManager:
     # -- dispatch ----------------------------------------------------------------------
 
     def _dispatch(
-        self, message_id: str, now: float, batch: dict[NextHop, list[tuple[Message, list[int]]]]
+        self, message_id: str, now: float, batch: dict[Hop, list[tuple[Message, list[int]]]]
     ) -> None:
-        """Add the message's due recipients to `batch`, grouped by next hop."""
+        """Add the message's due recipients to `batch`, grouped by next hop: all of them
+        to its class's or tenant's smarthost if it has one, else each by its domain."""
         self._admitted.discard(message_id)
         message = self.spool.messages.get(message_id)
         if message is None or message.held or self._closing:
             return
         busy = self._busy.setdefault(message_id, set())
-        groups: dict[NextHop, list[int]] = {}
+        groups: dict[Hop, list[int]] = {}
         d = self.cfg.delivery
+        relay = self.relays.for_message(message.klass, message.tenant)
         for i, rcpt in enumerate(message.recipients):
             if rcpt.state in PENDING and i not in busy and (rcpt.next_attempt or 0) <= now:
-                hop = next_hop(domain_of(rcpt.address), d.relayhost, self.cfg.routes, d.port)
-                groups.setdefault(hop, []).append(i)
+                if relay is not None:
+                    hop = relay.hop
+                else:
+                    hop = next_hop(domain_of(rcpt.address), d.relayhost, self.cfg.routes, d.port)
+                groups.setdefault((hop, relay), []).append(i)
         if not groups and not busy:
             del self._busy[message_id]
             return
@@ -487,23 +522,28 @@ class DeliveryManager:
             busy.update(pending)
             self.revalidation.ask(message, pending)
             return
-        for hop, indexes in groups.items():
+        for where, indexes in groups.items():
             busy.update(indexes)
-            batch.setdefault(hop, []).append((message, indexes))
+            batch.setdefault(where, []).append((message, indexes))
 
-    async def _route(self, hop: NextHop, work: list[tuple[Message, list[int]]]) -> None:
+    async def _route(
+        self, hop: NextHop, relay: Relay | None, work: list[tuple[Message, list[int]]]
+    ) -> None:
         failure: Exception | None = None
+        route: Route | RouteFailure | None
         try:
             route = await self.resolver.route(hop)
         except Exception as exc:
             log.exception("routing_failed", hop=hop.host)
             route, failure = None, exc
+        if relay is not None and isinstance(route, RouteFailure):
+            route = unrouted(relay, route)
         for message, indexes in work:
             try:
                 if route is None:
                     self._retry_later(message.id, indexes, failure)
                 else:
-                    self._queue(message, hop, indexes, route)
+                    self._queue(message, hop, relay, indexes, route)
             except Exception as exc:
                 log.exception("routing_failed", id=message.id, hop=hop.host)
                 self._retry_later(message.id, indexes, exc)
@@ -537,20 +577,26 @@ class DeliveryManager:
         return waits <= UNCHARGED_WAITS
 
     def _queue(
-        self, message: Message, hop: NextHop, indexes: list[int], route: Route | RouteFailure
+        self,
+        message: Message,
+        hop: NextHop,
+        relay: Relay | None,
+        indexes: list[int],
+        route: Route | RouteFailure,
     ) -> None:
         if isinstance(route, RouteFailure):
             reply = Reply("dns", 0, route.status, route.text, network="dns")
             results = [self.sender.result(i, reply, None, None) for i in indexes]
-            self._finish(message.id, indexes, results, destination=hop.host)
+            name = relay.key if relay is not None else hop.host
+            self._finish(message.id, indexes, results, destination=name)
             return
         now = time.time()
         domain = domain_of(message.recipients[indexes[0]].address)
-        key = destination_key(domain, route, self.cfg.shaping.group_by)
+        key = destination_key(domain, route, self.cfg.shaping.group_by, relay)
         destination = self.destinations.get(key)
         if destination is None:
-            destination = self._new_destination(key, domain, route, now)
-        destination.domains.add(domain)
+            destination = self._new_destination(key, domain, route, relay, now)
+        destination.domains.update(domain_of(message.recipients[i].address) for i in indexes)
         destination.waiting.add(message.id)
         size = self.cfg.delivery.max_recipients_per_transaction
         for start in range(0, len(indexes), size):
@@ -559,9 +605,13 @@ class DeliveryManager:
             )
             self._core.enqueue(now, key, item, message.klass, message.tenant, run=False)
 
-    def _new_destination(self, key: str, domain: str, route, now: float) -> Destination:
+    def _new_destination(
+        self, key: str, domain: str, route: Route, relay: Relay | None, now: float
+    ) -> Destination:
         shaping = self.cfg.shaping
         hosts = [h.name for h in route.hosts]
+        if relay is not None:
+            domain = ""  # see _domain_of
         pacing = pacing_for(shaping, domain, hosts)
         shaper = DestinationShaper(
             pacing,
@@ -570,8 +620,11 @@ class DeliveryManager:
             self._learned.get(key),
             stated_rate=stated_rate(shaping, domain, hosts),
         )
-        destination = Destination(key, pacing, shaper)
-        for name in (key, domain):
+        smarthost = self._smarthosts.get(key) if relay is not None else None
+        destination = Destination(
+            key, pacing, shaper, hosts=hosts, port=route.port, relay=relay, smarthost=smarthost
+        )
+        for name in (key, domain) if domain else (key,):
             if name in self._overrides:
                 self._overrides[name](destination.shaper, now)
         self.destinations[key] = destination
@@ -603,8 +656,9 @@ class DeliveryManager:
         last_one = all(h == host for h, _ in link.candidates[link.tried :])
         port = item.route.port
         started = time.monotonic()
+        smarthost = link.destination.smarthost
         try:
-            opened = await self.sender.connect(host, ip, port, last_one)
+            opened = await self.sender.connect(host, ip, port, last_one, smarthost)
         except Exception as exc:  # a bug: the attempt counts, as a local error
             log.exception("attempt_failed", id=item.message_id)
             self._links.pop(action.conn, None)
@@ -622,6 +676,7 @@ class DeliveryManager:
             self._act(actions)
             return
         failed = self.sender.result(0, opened, host, None)
+        self._relay_refused(link.destination, host, ip, [failed])
         link.failures.append(failed)
         link.destination.record(now, opened)
         more = link.tried < len(link.candidates) and self.sender.tries_next(opened, last_one)
@@ -694,10 +749,34 @@ class DeliveryManager:
             self._attempt_failed(destination, item, exc)
             return
         now = time.time()
+        self._relay_refused(destination, link.conn.host, link.conn.ip, results)
         for result in {id(r.reply): r for r in results}.values():
             destination.record(now, result.reply)
         self._settle_item(destination, item, results, now)
         self._done(conn, link, results)
+
+    def _relay_refused(
+        self, destination: Destination, host: str, ip: str, results: list[Result]
+    ) -> None:
+        """Log, for the operator, a smarthost that refuses our AUTH or our required TLS:
+        ours to fix (the password file, relay_user, relay_tls, relay_tls_ca), and nothing
+        goes there until it is. The mail is deferred, never bounced for it."""
+        relay = destination.relay
+        if relay is None:
+            return
+        for result in results:
+            kind = result.verdict.kind
+            if kind == AUTH or (kind == TLS and relay.tls):
+                log.error(
+                    "relay_auth_failed" if kind == AUTH else "relay_tls_failed",
+                    destination=destination.key,
+                    relay=relay.source,
+                    user=relay.user or None,
+                    host=host,
+                    ip=ip,
+                    reply=result.reply.line(),
+                )
+                return
 
     def _done(
         self, conn: int, link: _Link, results: list[Result], reusable: bool | None = None
@@ -763,7 +842,8 @@ class DeliveryManager:
         for message_id in list(destination.waiting):
             message = self.spool.messages.get(message_id)
             if message is not None and any(
-                r.state in PENDING and domain_of(r.address) in destination.domains
+                r.state in PENDING
+                and (destination.relay is not None or domain_of(r.address) in destination.domains)
                 for r in message.recipients
             ):
                 return True
@@ -871,10 +951,16 @@ class DeliveryManager:
         now = time.time()
         settings = self._settings(message.klass)
         settlement = settle(message, results, now, self.rng, settings, retry_factor=retry_factor)
+        # (A smarthost that did not resolve has no live destination, but its key.)
+        relay = self._relays_by_key.get(destination) or getattr(
+            self.destinations.get(destination), "relay", None
+        )
         for event in settlement.events:
             if event.get("event") == "delivery":
                 event["destination"] = destination
                 event["class"] = message.klass
+                if relay is not None:
+                    event["relay"] = relay.source
         self._apply(settlement, now)
 
     def _unbusy(self, message_id: str, indexes: list[int]) -> None:
@@ -1112,7 +1198,7 @@ class DeliveryManager:
         what they learn from now on is kept."""
         name = name.lower()
         now = time.time()
-        live = [d for d in self.destinations.values() if name == d.key or name in d.domains]
+        live = [d for d in self.destinations.values() if _named(d, name)]
         for destination in live:
             destination.shaper.forget(now)
         keys = {d.key for d in live} | ({name} & self._learned.keys())
@@ -1126,7 +1212,7 @@ class DeliveryManager:
         name = name.lower()
         self._overrides[name] = apply
         now = time.time()
-        matched = [d for d in self.destinations.values() if name == d.key or name in d.domains]
+        matched = [d for d in self.destinations.values() if _named(d, name)]
         for destination in matched:
             apply(destination.shaper, now)
         # Idle connections over a lowered limit close; a raised one may open more.
@@ -1145,7 +1231,7 @@ class DeliveryManager:
 
     async def view(self) -> list[dict]:
         """`mtaqueue-ctl domains`: every destination with waiting mail or state to show."""
-        view = DestinationsView(self.domains(), self._busy)
+        view = DestinationsView(self.domains(), self._busy, self.relay_of)
         async for message in walk(self.spool.messages):
             view.add(message)
         return view.entries()
@@ -1158,6 +1244,11 @@ class DeliveryManager:
         if any(self._busy.get(i) for i in ids):
             self._unqueue(lambda item: item.message_id in ids)
 
+    def relay_of(self, message: Message) -> str | None:
+        """The smarthost (destination key) all of a message goes to, or None."""
+        relay = self.relays.for_message(message.klass, message.tenant)
+        return relay.key if relay is not None else None
+
     def _unqueue(self, predicate: Callable[[WorkItem], bool]) -> None:
         for item in self._core.remove(time.time(), predicate):
             self._unbusy(item.message_id, item.indexes)
@@ -1167,6 +1258,15 @@ class DeliveryManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _named(destination: Destination, name: str) -> bool:
+    """Whether an operator's name (ctl limit, backoff, forget) means this destination: its
+    key, or a domain it serves, unless it is a smarthost (a limit for gmail.com paces
+    Gmail's MX, not an ESP that carries some of that mail)."""
+    if name == destination.key:
+        return True
+    return destination.relay is None and name in destination.domains
 
 
 def _earliest_due(message: Message) -> float | None:

@@ -17,13 +17,13 @@ import msgspec
 from .. import config
 from ..logs import get_logger
 from ..model import Message
-from ..policy.classify import DELIVERED, HOST, THROTTLING, Rule, classify
+from ..policy.classify import AUTH, DELIVERED, HOST, THROTTLING, Rule, classify
 from ..policy.hosts import HostSuspensions, host_key
 from ..policy.replies import Reply
 from ..policy.settle import Result
 from ..policy.shaper import REFUSALS_PER_CONNECTION
 from ..routing.resolver import Route
-from ..smtp.client import ClientSettings, ConnectFailed, SmtpConnection
+from ..smtp.client import ClientSettings, ConnectFailed, Smarthost, SmtpConnection
 
 log = get_logger("delivery")
 
@@ -101,20 +101,27 @@ class Sender:
         return msgspec.structs.replace(reason, text=f"{text.strip()} {note}")
 
     async def connect(
-        self, host: str, ip: str, port: int, last_one: bool
+        self, host: str, ip: str, port: int, last_one: bool, smarthost: Smarthost | None = None
     ) -> SmtpConnection | Reply:
-        """`last_one`: no other host is left to try (see `tries_next`)."""
+        """`last_one`: no other host is left to try (see `tries_next`); `smarthost`: the
+        relay's TLS and AUTH, for a relay destination."""
+        client = self.client
         try:
-            return await SmtpConnection.open(host, ip, port, self.client)
+            return await SmtpConnection.open(host, ip, port, client, smarthost=smarthost)
         except ConnectFailed as failed:
-            if failed.reply.phase == "starttls" and self.client.tls == "opportunistic":
+            required = smarthost is not None and smarthost.tls  # never in clear text then
+            if failed.reply.phase == "starttls" and client.tls == "opportunistic" and not required:
                 try:  # opportunistic TLS: a broken handshake falls back to clear text
-                    return await SmtpConnection.open(host, ip, port, self.client, use_tls=False)
+                    return await SmtpConnection.open(
+                        host, ip, port, client, use_tls=False, smarthost=smarthost
+                    )
                 except ConnectFailed as again:
                     failed = again
             verdict = classify(failed.reply, self.rules)
             paced = last_one and verdict.kind == THROTTLING
-            if verdict.scope in ("host", "destination") and not paced:
+            # Refused credentials are ours, not the host's: the destination's breaker (by
+            # smarthost and user) holds them, not a suspension of a host others may use.
+            if verdict.scope in ("host", "destination") and not paced and verdict.kind != AUTH:
                 self._suspend(host, port, ip, failed.reply)
             return failed.reply
 
@@ -122,8 +129,11 @@ class Sender:
         """Whether a connect that failed with `reply` goes on to the next address. A
         throttling greeting from the last host ("421 4.7.0 Error: too many connections
         from ...") is the destination pacing us: it suspends no host (the only MX would
-        stop all delivery) and ends the try. From one of several, the next is tried."""
-        return not (last_one and classify(reply, self.rules).kind == THROTTLING)
+        stop all delivery) and ends the try. From one of several, the next is tried.
+        Refused AUTH ends it too: every address would refuse the same credentials, and
+        each failed login counts against the account."""
+        kind = classify(reply, self.rules).kind
+        return not (kind == AUTH or (last_one and kind == THROTTLING))
 
     async def transaction(
         self, conn: SmtpConnection, message: Message, indexes: list[int], content: bytes

@@ -9,6 +9,8 @@ open: no attempts for the cooldown, which doubles with each consecutive trip up 
 `cooldown_max`. Failures reported while open come from connections that were in flight
 when it tripped: one outage, counted once.
 
+`trip` opens it at once, for a failure that every attempt would repeat.
+
 half-open: after the cooldown, one probe connection is allowed. Its success closes the
 breaker (and forgets the trips); its failure opens it again for the next, longer cooldown.
 A probe that reports nothing for a whole cooldown (its connection closed without a result,
@@ -75,6 +77,12 @@ class CircuitBreaker:
             return
         self._recent.append(now)
         if len(self._recent) == self.failures and now - self._recent[0] <= self.window:
+            self._trip(now)
+
+    def trip(self, now: float) -> None:
+        """Open now, whatever the count: a failure every attempt would repeat (a smarthost
+        refusing our credentials). While open it is the same outage, counted once."""
+        if self.state(now) != OPEN:
             self._trip(now)
 
     def success(self, now: float) -> None:

@@ -16,7 +16,9 @@ Scope, whom the verdict concerns:
 
 Kind says why, for pacing and for people: greylisting wants a patient second attempt of
 that recipient; throttling wants the destination slowed down (retrying sooner or later does
-not help); "mailbox" with `suppress` is a hard bounce that goes on the suppression list.
+not help); "mailbox" with `suppress` is a hard bounce that goes on the suppression list;
+"auth" is a smarthost refusing our client AUTH (or asking for one, or for TLS first): our
+configuration's problem, never the message's, so it defers and stops the destination.
 
 Precedence: a 2xx after the final dot (or 250/251 to RCPT) is a success, and nothing else
 is; then no usable reply after the dot is ambiguous; then the site's rules
@@ -40,8 +42,12 @@ In short, the table says:
   connections from"): throttling, destination;
 - "try again later" with 450/451 and no or a 4.7.0/4.7.1/4.2.0 code: at RCPT greylisting,
   elsewhere throttling;
-- any failure at connect/greeting/EHLO/STARTTLS: transient, host (try the next MX; Postfix
-  treats a 5xx greeting the same way);
+- 530 at any phase (RFC 4954 "authentication required", RFC 3207 "must issue a STARTTLS
+  command first") and any 5xx to our AUTH (535 5.7.8 bad credentials, 534, 538, 504) or a
+  smarthost with no mechanism we can use: auth, transient, destination (a config error of
+  ours: it must not bounce mail);
+- any failure at connect/greeting/EHLO/STARTTLS/AUTH: transient, host (try the next MX;
+  Postfix treats a 5xx greeting the same way);
 - at RCPT: x.5.3, 452, or "too many recipients" (a 552 too): too_many_recipients,
   transient (RFC 5321 4.5.3.1.10); x.2.2, 552 or "mailbox full": mailbox_full, transient
   (RFC 3463: "persistent transient"); 5.1.0/1/2/3/6/10, 5.2.1 (disabled), or a 550 "user
@@ -89,6 +95,7 @@ NETWORK = "network"
 DNS = "dns"
 PROTOCOL = "protocol"
 TLS = "tls"
+AUTH = "auth"
 OTHER = "other"
 # AMBIGUOUS is also a kind: a lost final reply taken as delivered (see classify).
 KINDS = (
@@ -105,6 +112,7 @@ KINDS = (
     DNS,
     PROTOCOL,
     TLS,
+    AUTH,
     OTHER,
     AMBIGUOUS,
 )
@@ -244,7 +252,7 @@ def _row(
 
 
 _GENERIC = "- x.0.0"  # no enhanced code, or one that adds nothing to the class
-_SETUP = "connect banner ehlo starttls"  # before a transaction: the host's business
+_SETUP = "connect banner ehlo starttls auth"  # before a transaction: the host's business
 
 _GREYLIST = r"gr[ae]y[ -]?list|postgrey"
 # Postfix's anvil says "too much mail from ADDR" (message rate), "too many recipients from
@@ -283,6 +291,10 @@ _TABLE = (
     # 421 closes the session at any phase: the site, not this message, is the problem.
     _row(THROTTLING, codes="421", status="x.7.x", scope=DESTINATION),
     _row(OTHER, codes="421", scope=DESTINATION),
+    # Our client AUTH refused, or asked for (530: AUTH or STARTTLS first): the smarthost's
+    # password or TLS settings are ours to fix; every message would get the same.
+    _row(AUTH, codes="530", outcome=TRANSIENT, scope=DESTINATION),
+    _row(AUTH, codes="5xx", phases="auth", outcome=TRANSIENT, scope=DESTINATION),
     # A bare "try again later": at RCPT the classic greylisting reply (one recipient waits,
     # the destination is not slowed for it); elsewhere the site deferring us.
     _row(
@@ -391,7 +403,10 @@ def _dns(reply: Reply) -> Verdict:
 def _network(reply: Reply) -> Verdict:
     """No reply (refused, timeout, lost, TLS). Before MAIL it is the host's problem: try the
     next MX; during a transaction RFC 5321 3.8 says to take it as a 451 for all of it.
-    Garbage is the host's at any phase; a local error is never the host's."""
+    Garbage is the host's at any phase; a local error is never the host's. A smarthost
+    that offers no AUTH mechanism we can use is our configuration's problem."""
+    if reply.network == "auth":
+        return _verdict(reply, TRANSIENT, AUTH, scope=DESTINATION)
     if reply.network == "protocol":
         return _verdict(reply, TRANSIENT, PROTOCOL, scope=HOST)
     if reply.network == "local":
@@ -413,6 +428,7 @@ _PHASE_SCOPE = {
     "banner": HOST,
     "ehlo": HOST,
     "starttls": HOST,
+    "auth": HOST,
     "mail": MESSAGE,
     "rcpt": RECIPIENT,
     "data": MESSAGE,
@@ -427,6 +443,7 @@ _DETAIL = {
     TOO_MANY_RECIPIENTS: "5.3",
     PROTOCOL: "5.0",
     TLS: "7.5",
+    AUTH: "7.0",
 }
 
 

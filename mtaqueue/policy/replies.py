@@ -11,14 +11,37 @@ import re
 
 import msgspec
 
-# Phases of an SMTP client conversation, in order. "dns" is the next-hop lookup,
-# "data" waits for the 354, "data_end" for the reply after the final dot.
-PHASES = ("dns", "connect", "banner", "ehlo", "starttls", "mail", "rcpt", "data", "data_end")
+# Phases of an SMTP client conversation, in order. "dns" is the next-hop lookup, "auth" our
+# client AUTH at a smarthost, "data" waits for the 354, "data_end" for the reply after the
+# final dot.
+PHASES = (
+    "dns",
+    "connect",
+    "banner",
+    "ehlo",
+    "starttls",
+    "auth",
+    "mail",
+    "rcpt",
+    "data",
+    "data_end",
+)
 
 # What happened instead of a reply (code 0). "lost" is a connection closed or reset,
 # "dns" a failed lookup of the next hop, "protocol" something that is no SMTP reply
-# (garbage, an over-long line), "local" a failure on our side (not the server's doing).
-NETWORK_EVENTS = ("refused", "timeout", "lost", "unreachable", "tls", "dns", "protocol", "local")
+# (garbage, an over-long line), "local" a failure on our side (not the server's doing),
+# "auth" a smarthost that offers no AUTH mechanism we can use (PLAIN, LOGIN).
+NETWORK_EVENTS = (
+    "refused",
+    "timeout",
+    "lost",
+    "unreachable",
+    "tls",
+    "dns",
+    "protocol",
+    "local",
+    "auth",
+)
 
 # The codes that complete each step (RFC 5321 4.2.1, 4.3.2), a 2xx after the final dot being
 # the only one that means delivered. Any other code that is not a 4xx/5xx refusal (a 250
@@ -27,6 +50,7 @@ COMPLETES = {
     "banner": frozenset({220}),
     "ehlo": frozenset({250}),
     "starttls": frozenset({220}),
+    "auth": frozenset({235}),
     "mail": frozenset({250}),
     "rcpt": frozenset({250, 251}),
     "data": frozenset({354}),
@@ -46,6 +70,7 @@ _EVENTS = {
     "dns": "DNS failure",
     "protocol": "unreadable reply",
     "local": "local error",
+    "auth": "no usable AUTH mechanism",
 }
 _WHILE = {
     "dns": "while looking up the next hop",
@@ -53,6 +78,7 @@ _WHILE = {
     "banner": "while waiting for the 220 greeting",
     "ehlo": "while waiting for the reply to EHLO",
     "starttls": "during STARTTLS",
+    "auth": "while authenticating",
     "mail": "while waiting for the reply to MAIL FROM",
     "rcpt": "while waiting for the reply to RCPT TO",
     "data": "while waiting for the reply to DATA",

@@ -40,6 +40,10 @@ Feedback rules (`result`):
 - Connection failure: a transient failure before MAIL FROM that is not throttling
   (refused, timeout, a 4xx greeting, EHLO, STARTTLS; not a DNS failure), or a timeout in
   any phase: breaker failure and concurrency cut.
+- AUTH refused (kind "auth": bad credentials, AUTH or STARTTLS demanded): the breaker
+  opens at once. Every connection would be refused alike until the configuration is
+  fixed, and an ESP may lock an account that keeps failing to log in; the probe after the
+  cooldown tries again, and a reload with new credentials starts the destination afresh.
 - Any other reply shows the site answering: it closes a half-open breaker, unless it is a
   throttle reply (the site is still unhappy: the breaker opens again). When a breaker
   closes, concurrency starts over at 1 and grows with successes.
@@ -56,7 +60,7 @@ from dataclasses import dataclass
 from .. import config
 from .breaker import CLOSED, HALF_OPEN, CircuitBreaker
 from .buckets import TokenBucket
-from .classify import DELIVERED, GREYLISTING, PERMANENT, RECIPIENT, THROTTLING, Verdict
+from .classify import AUTH, DELIVERED, GREYLISTING, PERMANENT, RECIPIENT, THROTTLING, Verdict
 from .concurrency import AdaptiveConcurrency
 from .rate_learner import PROBING, SLOW_STARTING, Change, Learned, RateLearner
 from .replies import PHASES, Reply
@@ -314,7 +318,9 @@ class DestinationShaper:
         rule_hit = self.rules.hit(reply.line(), now)
         if rule_hit:
             self.backoff.signal(now)  # the site's own rule asks for backoff mode
-        if rule_hit or (verdict.kind == THROTTLING and verdict.scope != RECIPIENT):
+        if verdict.kind == AUTH:
+            self.breaker.trip(now)
+        elif rule_hit or (verdict.kind == THROTTLING and verdict.scope != RECIPIENT):
             self._throttled(now, reply, active)
         elif _connection_failure(reply, verdict):
             self.connect_failed(now)

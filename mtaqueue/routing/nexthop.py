@@ -28,9 +28,14 @@ def next_hop(domain: str, relayhost: str, routes: dict[str, str], default_port: 
         hop = relayhost
     if not hop:
         return _own(domain, default_port)
-    host, port = split_host_port(hop, default_port)
+    return parse_hop(hop, default_port)
+
+
+def parse_hop(text: str, default_port: int) -> NextHop:
+    """A configured next hop ("[host]:port", "host:port", "host"), checked by config."""
+    host, port = split_host_port(text, default_port)
     # An IP address has no MX records, bracketed or not.
-    return NextHop(host.lower(), port, mx=not hop.startswith("[") and not is_ip_address(host))
+    return NextHop(host.lower(), port, mx=not text.startswith("[") and not is_ip_address(host))
 
 
 def _own(domain: str, port: int) -> NextHop:

@@ -89,7 +89,7 @@ class Resolver:
         # The operator named this host: missing is more likely a typo or a DNS outage on our
         # side than a reason to bounce everything routed through it.
         why = failures[0] if failures else f"{hop.host}: no A/AAAA records"
-        text = f"next hop {why}; deferred, not bounced: check delivery.relayhost and routes"
+        text = f"next hop {why}; deferred, not bounced: check the relayhost or route naming it"
         return RouteFailure(False, "4.4.3", text)
 
     async def _route_mx(self, hop: NextHop) -> Route | RouteFailure:

@@ -3,6 +3,10 @@
 It speaks the protocol and reports what happened as `Reply` records (phase,
 code, enhanced code, text, or the network event); it decides nothing — the
 policy classifies, the delivery layer acts.
+
+A connection to a smarthost (`Smarthost`) may require TLS: implicit (SMTPS, from the first
+byte) or STARTTLS with no clear-text fallback, the certificate and name verified; then
+client AUTH, PLAIN or LOGIN as the server offers them. AUTH is never sent without TLS.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import contextlib
 import re
 import socket
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiosmtplib
 from aiosmtplib import SMTPResponseException
@@ -22,6 +26,7 @@ from ..delivery.conversion import Refused, prepare
 from ..logs import get_logger
 from ..model import Message, Recipient
 from ..policy.replies import COMPLETES, Reply
+from ..routing.relays import IMPLICIT, STARTTLS
 from .addresses import xtext_encode
 
 # Content up to this size is checked for the hop on the event loop (tens of microseconds);
@@ -38,6 +43,17 @@ class ClientSettings:
     helo_name: str
     timeouts: TimeoutsConfig
     tls: str  # "opportunistic", "required" or "off"
+
+
+@dataclass(frozen=True, slots=True)
+class Smarthost:
+    """What a connection to a smarthost adds (routing/relays.py, delivery/smarthosts.py)."""
+
+    tls: str  # IMPLICIT, STARTTLS or "" (as ClientSettings.tls, unverified)
+    context: ssl.SSLContext | None = field(default=None, compare=False)  # verifies, with tls
+    user: str = ""  # "" = no AUTH
+    password: str = field(default="", repr=False)
+    ca_file: str = ""  # what `context` trusts ("" = the system's CA store)
 
 
 class ConnectFailed(Exception):
@@ -83,9 +99,17 @@ class SmtpConnection:
 
     @classmethod
     async def open(
-        cls, host: str, ip: str, port: int, settings: ClientSettings, *, use_tls: bool = True
+        cls,
+        host: str,
+        ip: str,
+        port: int,
+        settings: ClientSettings,
+        *,
+        use_tls: bool = True,
+        smarthost: Smarthost | None = None,
     ) -> SmtpConnection:
-        """Connect, read the greeting, EHLO (and STARTTLS); raises ConnectFailed."""
+        """Connect, read the greeting, EHLO (and STARTTLS, and AUTH at a smarthost);
+        raises ConnectFailed. `use_tls` False: no STARTTLS (the opportunistic fallback)."""
         t = settings.timeouts
         loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
@@ -102,27 +126,59 @@ class SmtpConnection:
         except OSError as exc:
             sock.close()
             raise ConnectFailed(_network("connect", "unreachable", f"{ip}: {exc}")) from None
-        client = aiosmtplib.SMTP(local_hostname=settings.helo_name, start_tls=False)
-        conn = cls(client, host, ip, tls=False)
+        relay_tls = smarthost.tls if smarthost is not None else ""
+        implicit = relay_tls == IMPLICIT
+        # A smarthost's required TLS is verified; opportunistic TLS to an MX is not (_TLS).
+        context = smarthost.context if relay_tls and smarthost is not None else None
+        client = aiosmtplib.SMTP(
+            hostname=host if implicit else None,  # the name its certificate must carry
+            local_hostname=settings.helo_name,
+            use_tls=implicit,
+            tls_context=context if implicit else None,
+            start_tls=False,
+        )
+        conn = cls(client, host, ip, tls=implicit)
+        required = relay_tls != "" or settings.tls == "required"
         try:
             greeting = await _step(
                 conn, "banner", client.connect(sock=sock, timeout=t.banner, start_tls=False)
             )
             conn.banner = greeting.message
             await conn._hello(t.ehlo)
-            if settings.tls != "off" and use_tls and client.supports_extension("starttls"):
-                await conn._start_tls(t)
+            wanted = relay_tls == STARTTLS or (not relay_tls and settings.tls != "off")
+            if wanted and use_tls and client.supports_extension("starttls"):
+                await conn._start_tls(t, context or _TLS)
+            if required and not conn.tls:
+                why = "; AUTH is not sent in clear text" if smarthost and smarthost.user else ""
+                text = f"{host} does not offer TLS{why}"
+                raise ConnectFailed(Reply("starttls", 0, "4.7.10", text, network="tls"))
+            if smarthost is not None and smarthost.user:
+                await conn._authenticate(smarthost, t.ehlo)
         except ConnectFailed:
             conn.abort()
             raise
-        if settings.tls == "required" and not conn.tls:
-            conn.abort()
-            raise ConnectFailed(
-                Reply("starttls", 0, "4.7.10", f"{host} does not offer TLS", network="tls")
-            )
         return conn
 
-    async def _start_tls(self, t: TimeoutsConfig) -> None:
+    async def _authenticate(self, smarthost: Smarthost, timeout: float) -> None:
+        """AUTH PLAIN, else LOGIN, as the server's EHLO offers (RFC 4954); only over TLS.
+        AUTH waits as long as EHLO does (it has no timeout of its own)."""
+        client = self.client
+        if not self.tls:  # relays.tls_mode requires TLS with a user: a second lock
+            text = "AUTH not sent: the session is not encrypted"
+            raise ConnectFailed(Reply("auth", 0, "", text, network="tls"))
+        offered = client.server_auth_methods  # lower-case, from the EHLO after TLS
+        user, password = smarthost.user, smarthost.password
+        if "plain" in offered:
+            call = client.auth_plain(user, password, timeout=timeout)
+        elif "login" in offered:
+            call = client.auth_login(user, password, timeout=timeout)
+        else:
+            what = f"only {' '.join(offered).upper()}" if offered else "no AUTH"
+            text = f"{self.host} offers {what}: AUTH PLAIN or LOGIN is needed for {user}"
+            raise ConnectFailed(Reply("auth", 0, "", text, network="auth"))
+        await _step(self, "auth", call)
+
+    async def _start_tls(self, t: TimeoutsConfig, context: ssl.SSLContext) -> None:
         """STARTTLS and the EHLO over TLS; any failure in between is a "starttls" failure.
 
         (With TLS 1.3 a server that rejects the handshake may only say so at our next
@@ -133,7 +189,7 @@ class SmtpConnection:
                 self,
                 "starttls",
                 self.client.starttls(
-                    tls_context=_TLS, server_hostname=self.host, timeout=t.starttls
+                    tls_context=context, server_hostname=self.host, timeout=t.starttls
                 ),
             )
             self.tls = True
@@ -335,7 +391,10 @@ async def _step(conn: SmtpConnection, phase: str, call):
     except ssl.SSLError as exc:
         reply = _network(phase, "tls", f"TLS failed: {exc}")
     except (aiosmtplib.SMTPException, OSError) as exc:
-        reply = _network(phase, "lost", f"{phase}: {exc}")
+        if isinstance(exc.__cause__, ssl.SSLError):  # implicit TLS: the handshake at connect
+            reply = _network(phase, "tls", f"TLS failed: {exc.__cause__}")
+        else:
+            reply = _network(phase, "lost", f"{phase}: {exc}")
     except Exception as exc:  # ours: an address that does not encode, a bug
         reply = _network(phase, "local", f"local error: {type(exc).__name__}: {exc}")
     else:
