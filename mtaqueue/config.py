@@ -335,6 +335,9 @@ class RelayConfig(_Table):
     # Required TLS verifies the smarthost's certificate and name: "" = against the system's
     # CA store, else against the CAs in this PEM file (a private CA, a self-signed relay).
     relay_tls_ca: str = ""
+    # The [pools.NAME] whose source addresses its mail leaves from; "" = the default source
+    # (unbound). A class's pool wins over its tenant's, as with relayhost.
+    pool: str = ""
 
 
 class ClassConfig(RelayConfig):
@@ -347,7 +350,23 @@ class ClassConfig(RelayConfig):
 
 
 class TenantConfig(RelayConfig):
-    """[tenants.NAME]: what is the tenant's own (its route, for now)."""
+    """[tenants.NAME]: what is the tenant's own (its route and its source pool)."""
+
+
+class SourceConfig(_Table):
+    """One source of a pool as a table: the address to bind, the name to say in EHLO."""
+
+    address: str
+    helo: str = ""  # "" = delivery.helo_name
+
+
+class PoolConfig(_Table):
+    """[pools.NAME]: source addresses that outgoing connections bind to (routing/pools.py)."""
+
+    sources: list[str | SourceConfig] = []  # "ip" or {address = "ip", helo = "name"}
+    # A source that draws a blocklist reply from a destination leaves for that long (for
+    # that destination only; the pool's other sources carry on).
+    blocklist_hold: Duration = _d("6h")
 
 
 EVENT_TYPES = (
@@ -416,6 +435,7 @@ class Config(_Table):
     suppression: SuppressionConfig = msgspec.field(default_factory=SuppressionConfig)
     classes: dict[str, ClassConfig] = msgspec.field(default_factory=lambda: dict(DEFAULT_CLASSES))
     tenants: dict[str, TenantConfig] = {}
+    pools: dict[str, PoolConfig] = {}
     webhooks: list[WebhookConfig] = []
     api: ApiConfig = msgspec.field(default_factory=ApiConfig)
     revalidate: RevalidateConfig = msgspec.field(default_factory=RevalidateConfig)
@@ -555,6 +575,9 @@ def _build(raw: dict[str, Any]) -> Config:
     tenants = raw.get("tenants", {})
     if isinstance(tenants, dict):
         raw["tenants"] = {n: _convert(t, TenantConfig, f"tenants.{n}") for n, t in tenants.items()}
+    pools = raw.get("pools", {})
+    if isinstance(pools, dict):
+        raw["pools"] = {n: _convert(p, PoolConfig, f"pools.{n}") for n, p in pools.items()}
     routes = raw.get("routes", {})
     if isinstance(routes, dict):
         raw["routes"] = {d.lower(): _convert(h, str, f"routes.{d}") for d, h in routes.items()}
@@ -637,6 +660,10 @@ def _validate(cfg: Config) -> None:
     relays |= {f"tenants.{n}": t for n, t in cfg.tenants.items()}
     for path, relay in relays.items():
         _validate_relay(path, relay, cfg.delivery.port)
+        if relay.pool and relay.pool not in cfg.pools:
+            raise ConfigError(f"{path}.pool: unknown pool {relay.pool!r}")
+    for name, pool in cfg.pools.items():
+        _validate_pool(f"pools.{name}", pool)
     for name, klass in cfg.classes.items():
         if klass.revalidate_after < 0:
             raise ConfigError(f"classes.{name}.revalidate_after: must not be negative")
@@ -651,6 +678,23 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"retry.then: expected two durations [min, max], got {len(retry.then)}")
     if retry.then[0] > retry.then[1]:
         raise ConfigError("retry.then: min is greater than max")
+
+
+def _validate_pool(path: str, pool: PoolConfig) -> None:
+    if not pool.sources:
+        raise ConfigError(f"{path}.sources: name at least one address")
+    seen: set[str] = set()
+    for i, source in enumerate(pool.sources):
+        address = source if isinstance(source, str) else source.address
+        try:
+            address = str(ipaddress.ip_address(address))
+        except ValueError:
+            raise ConfigError(f"{path}.sources[{i}]: not an IP address: {address!r}") from None
+        if address in seen:
+            raise ConfigError(f"{path}.sources[{i}]: {address} is named twice")
+        seen.add(address)
+    if pool.blocklist_hold <= 0:
+        raise ConfigError(f"{path}.blocklist_hold: must be more than 0s")
 
 
 def _check_url(url: str) -> None:

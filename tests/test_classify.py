@@ -164,9 +164,23 @@ CASES = [
     " => permanent recipient mailbox 5.1.1 suppress",
     # ... but a specific code beats the words
     "rcpt 550 5.7.1 Mailbox unavailable: blocked by policy => permanent recipient policy 5.7.1",
+    "rcpt 550 5.7.1 greylisted senders are not listed => permanent recipient policy 5.7.1",
     # --- RCPT: permanent, not the address's fault: no suppression
+    # --- our source on a blocklist: deferred (another source takes it), never bounced
     "rcpt 550 5.7.1 Service unavailable; Client host [192.0.2.1] blocked using Spamhaus"
-    " => permanent recipient policy 5.7.1",
+    " => transient destination blocklist 4.7.1",
+    "banner 554 mx.example.org ESMTP not accepting mail from 192.0.2.1: listed at bl.example"
+    " => transient destination blocklist 4.0.0",
+    "connect 553 5.7.1 [BL21] Connections will not be accepted from 192.0.2.1, because the ip"
+    " is in Spamhaus's list => transient destination blocklist 4.7.1",
+    "rcpt 550 5.7.606 Access denied, banned sending IP [192.0.2.1]"
+    " => transient destination blocklist 4.7.606",
+    "rcpt 421 4.7.0 [TSS04] Messages from 192.0.2.1 temporarily deferred due to unexpected"
+    " volume or user complaints => transient destination throttling 4.7.0",
+    # --- Gmail wants IPv4 from us: retried over IPv4, not bounced
+    "rcpt 550 5.7.1 [2001:db8::1] Our system has detected that this message does not meet"
+    " IPv6 sending guidelines regarding PTR records and authentication."
+    " => transient destination ipv6 4.7.1",
     "rcpt 554 5.7.1 <a@b>: Relay access denied => permanent recipient policy 5.7.1",
     "rcpt 553 sorry, that domain isn't in my list of allowed rcpthosts"
     " => permanent recipient other 5.0.0",
@@ -275,7 +289,7 @@ CASES = [
     " => transient destination other 4.0.0",
     "banner 450 4.7.0 Try again later => transient destination throttling 4.7.0",
     "banner 451 Temporary local problem => transient host other 4.0.0",
-    "banner 554 5.7.1 Your IP 192.0.2.1 is on a blocklist => transient host policy 4.7.1",
+    "banner 554 5.7.1 Your IP 192.0.2.1 is on a blocklist => transient destination blocklist 4.7.1",
     "banner 554 No SMTP service here => transient host other 4.0.0",
     "banner 521 5.3.2 does not accept mail => transient host other 4.3.2",
     "ehlo 421 4.7.0 Try again later, closing connection. (EHLO)"

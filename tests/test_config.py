@@ -12,6 +12,7 @@ from mtaqueue.config import (
     Config,
     ConfigError,
     FreeSpace,
+    PoolConfig,
     SpoolConfig,
     WebhookConfig,
     control_socket_path,
@@ -411,6 +412,11 @@ def test_shipped_config_names_every_key_and_only_real_keys() -> None:
     for name, table in raw.items():
         if name in ("routes", "tenants"):
             continue
+        if name == "pools":  # none by default: the file shows a commented-out one
+            example = re.findall(r"^#   (\w+) = ", text.split("#   [pools.bulk]\n")[1], re.M)
+            keys = {f.name for f in msgspec.structs.fields(PoolConfig)}
+            assert table == {} and set(example) == keys
+            continue
         if name == "classes":
             keys = {f.name for f in msgspec.structs.fields(ClassConfig)}
             assert table.keys() == {"p0", "p1", "p2"}
@@ -430,6 +436,12 @@ def test_shipped_config_names_every_key_and_only_real_keys() -> None:
         ("revalidate.url=ftp://x", "revalidate.url: invalid URL"),
         ("tenants.shop.relay_tls=tls", "tenants.shop.relay_tls: invalid value 'tls'"),
         ("api.address=nohost:99999", "api.address: invalid port"),
+        ("classes.p2.pool=bulk", "classes.p2.pool: unknown pool 'bulk'"),
+        ("tenants.shop.pool=x", "tenants.shop.pool: unknown pool 'x'"),
+        ("pools.bulk.sources=[]", "pools.bulk.sources: name at least one address"),
+        ('pools.bulk.sources=["10.0.0.300"]', "pools.bulk.sources[0]: not an IP address"),
+        ('pools.b.sources=["::1", {address="::1"}]', "pools.b.sources[1]: ::1 is named twice"),
+        ('pools.bulk.sources=[{helo="x"}]', "pools.bulk.sources[0]: object missing required"),
     ],
 )
 def test_issue_11_keys_are_checked(item: str, message: str) -> None:

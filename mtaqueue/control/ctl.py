@@ -308,6 +308,13 @@ def _domains_show(reply: Reply, out: TextIO) -> None:
         out.write(f"{d['destination']}  ({', '.join(d.get('domains', []))})\n")
         if d.get("relay"):
             out.write(f"  relay       smarthost of {d['relay']}\n")
+        if d.get("source"):
+            out.write(f"  source      {d['source']}\n")
+        if d.get("source_excluded_until"):
+            until = _time(d["source_excluded_until"])
+            out.write(f"  excluded    until {until} (a blocklist reply; the pool's others go on)\n")
+        if d.get("ipv4_only"):
+            out.write("  families    IPv4 only (it refused our IPv6)\n")
         out.write(f"  queued      {_counts(d.get('queued'))}   (messages ready to go)\n")
         out.write(f"  deferred    {_counts(d.get('deferred'))}   (messages waiting to retry)\n")
         if not d.get("routed", True):

@@ -4,6 +4,9 @@ Domains hosted by one provider resolve to the same MX hosts and so share one
 destination, its limits and its state (shaping.group_by = "mx"); with
 group_by = "domain" every domain is its own destination. A smarthost of a class or a
 tenant is one of its own, whatever domains it carries (routing/relays.py `Relay.key`).
+Mail of a source pool is a destination per (source, destination), "<key>@<address>"
+(routing/pools.py): providers limit per client IP, so each source has its own pacing,
+breaker and learned limits there.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from ..model import DEFERRED, QUEUED, Message
 from ..policy.hosts import host_key
 from ..policy.replies import Reply
 from ..policy.shaper import DestinationShaper
+from ..routing.pools import Source
 from ..routing.relays import Relay
 from ..routing.resolver import Route
 from ..smtp.addresses import domain_of
@@ -35,12 +39,18 @@ class WorkItem:
 
 
 def destination_key(domain: str, route: Route, group_by: str, relay: Relay | None = None) -> str:
+    """The destination's name without a source (see `sourced`)."""
     if relay is not None:
         return relay.key
     if group_by == "domain":
         return domain
     names = ",".join(sorted({host.name for host in route.hosts}))
     return names if route.port == 25 else f"{names}:{route.port}"
+
+
+def sourced(base: str, source: Source | None) -> str:
+    """The key of `base` as sent to from `source` (None: the default source, `base`)."""
+    return base if source is None else f"{base}@{source.address}"
 
 
 class Destination:
@@ -54,16 +64,19 @@ class Destination:
         port: int = 25,
         relay: Relay | None = None,
         smarthost: Smarthost | None = None,
+        source: Source | None = None,
     ) -> None:
         """Its ready queue and connections are the scheduler core's. `hosts` (and `port`):
-        the host names of its route; None: those of an MX key ("names[:port]")."""
+        the host names of its route; None: those of an MX key ("names[:port][@source]")."""
         self.key = key
+        self.source = source  # the pool's address its connections bind to; None: default
+        self.base = key.removesuffix(f"@{source.address}") if source is not None else key
         self.pacing = pacing
         self.shaper = shaper
         if hosts is None:
-            names, _, number = key.rpartition(":")  # destination_key's "names[:port]"
+            names, _, number = self.base.rpartition(":")  # destination_key's "names[:port]"
             if not number.isdigit():
-                names, number = key, "25"
+                names, number = self.base, "25"
             hosts, port = names.split(","), int(number)
         self.hosts = tuple(hosts)
         self.port = port
@@ -99,6 +112,7 @@ class Destination:
             "destination": self.key,
             "routed": True,
             "relay": self.relay.source if self.relay is not None else None,
+            "source": self.source.address if self.source is not None else None,
             "domains": sorted(self.domains),
             "queued": queued,
             "active": active,

@@ -8,8 +8,12 @@ each attempt got (policy/settle.py) and tells the core. Data path: a due message
 pending recipients are grouped by next hop, routed (MX lookup), and queued as work items
 in their destination (the MX host set). A message whose class or tenant has a smarthost
 (routing/relays.py) goes there whole, whatever its recipients' domains: the smarthost is a
-destination of its own, paced and broken like any other. Mail that waits for pacing is not
-charged an attempt.
+destination of its own, paced and broken like any other. Mail of a class or tenant with a
+source pool (routing/pools.py) is queued at one of the pool's sources (policy/egress.py's
+choice): each (source, destination) is a destination of its own. A source that draws a
+blocklist reply leaves that destination's share of the pool, its waiting mail and the
+refused recipients going to the others at once; a site that refuses our IPv6 gets IPv4
+from then on. Mail that waits for pacing is not charged an attempt.
 """
 
 from __future__ import annotations
@@ -42,12 +46,14 @@ from ..policy import rate_learner
 from ..policy.backoff import RetryPolicy, restart_due
 from ..policy.breaker import CLOSED
 from ..policy.buckets import TokenBucket
-from ..policy.classify import AUTH, TLS, compile_rules
+from ..policy.classify import AUTH, BLOCKLIST, IPV6, TLS, compile_rules
+from ..policy.egress import EgressState
 from ..policy.fairness import class_order
 from ..policy.hosts import HostSuspensions
 from ..policy.replies import Reply
 from ..policy.revalidate import CANCEL, HOLD
 from ..policy.settle import (
+    THROTTLE_REQUEUES,
     Result,
     Settlement,
     SettleSettings,
@@ -59,6 +65,7 @@ from ..policy.settle import (
 )
 from ..policy.shaper import DestinationShaper, ShaperState, pacing_for, stated_rate
 from ..routing.nexthop import NextHop, next_hop
+from ..routing.pools import Pool, Pools, Source, family_of
 from ..routing.relays import Relay, relays, unrouted
 from ..routing.resolver import Resolver, Route, RouteFailure
 from ..scheduler.core import (
@@ -79,7 +86,7 @@ from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool, StorageError, StorageFull
 from ..spool.walk import WALK_CHUNK, chunks, walk
 from . import smarthosts
-from .destination import Destination, DestinationsView, WorkItem, destination_key
+from .destination import Destination, DestinationsView, WorkItem, destination_key, sourced
 from .revalidation import Revalidation
 from .sender import Sender, Suspended
 
@@ -126,6 +133,8 @@ class DeliveryManager:
         d = cfg.delivery
         self.hosts = HostSuspensions(d.host_suspend, d.host_suspend_max)
         self.destinations: dict[str, Destination] = {}
+        self.egress = EgressState()  # sources out by destination, IPv4-only destinations
+        self._egress_saved = b""
         self.core: Scheduler[WorkItem] | None = None
         self.on_delivery: Callable[[dict], None] | None = None  # each "delivery" event
         self.on_connect: Callable[[str, float], None] | None = None  # destination, seconds
@@ -180,6 +189,7 @@ class DeliveryManager:
         tenant_rate = config.parse_rate(tenant_rate) if tenant_rate else 0.0
         self.cfg = cfg
         self.relays = routes
+        self.pools = Pools(cfg)
         if self.core is None:
             self.core = Scheduler(
                 self.classes,
@@ -254,6 +264,7 @@ class DeliveryManager:
         meanwhile is let in as the active window has room, the first class (p0) first,
         and spread over retry.restart_spread, except the first class."""
         self._learned = self._load_learned()
+        self._load_egress()
         self._started = True
         self._spawn(self._schedule_queue(list(self.spool.messages), time.time()))
         self._spawn(self._expiry_sweep())
@@ -309,6 +320,7 @@ class DeliveryManager:
         await self.revalidation.close()
         if self._started:
             self._save_learned(self._learned_data(time.time()))
+            self._save_egress(self.egress.encode(time.time()))
 
     def on_accepted(self, message: Message) -> None:
         """A new message is durable: due now."""
@@ -433,6 +445,9 @@ class DeliveryManager:
             data = self._learned_data(time.time())
             if data != self._saved:
                 await asyncio.to_thread(self._save_learned, data)
+            egress = self.egress.encode(time.time())
+            if egress != self._egress_saved:
+                await asyncio.to_thread(self._save_egress, egress)
 
     def _load_learned(self) -> dict[str, rate_learner.Learned]:
         try:
@@ -459,6 +474,23 @@ class DeliveryManager:
             log.warning("learned_save_failed", error=str(exc))
             return
         self._saved = data
+
+    def _load_egress(self) -> None:
+        try:
+            data = statefile.read(self.spool.layout.egress)
+            if data:
+                self.egress.restore(data)
+                self._egress_saved = data
+        except (OSError, ValueError) as exc:  # sources come back early: nothing is lost
+            log.warning("egress_unreadable", error=str(exc))
+
+    def _save_egress(self, data: bytes) -> None:
+        try:
+            statefile.write_atomic(self.spool.layout.egress, data)
+        except OSError as exc:  # kept in memory; the next sweep tries again
+            log.warning("egress_save_failed", error=str(exc))
+            return
+        self._egress_saved = data
 
     def _read(self, message_id: str) -> Message | None:
         """A message for a walk over the queue; None if gone, or if its record does not
@@ -590,23 +622,78 @@ class DeliveryManager:
             name = relay.key if relay is not None else hop.host
             self._finish(message.id, indexes, results, destination=name)
             return
-        now = time.time()
         domain = domain_of(message.recipients[indexes[0]].address)
-        key = destination_key(domain, route, self.cfg.shaping.group_by, relay)
-        destination = self.destinations.get(key)
-        if destination is None:
-            destination = self._new_destination(key, domain, route, relay, now)
-        destination.domains.update(domain_of(message.recipients[i].address) for i in indexes)
-        destination.waiting.add(message.id)
+        base = destination_key(domain, route, self.cfg.shaping.group_by, relay)
         size = self.cfg.delivery.max_recipients_per_transaction
-        for start in range(0, len(indexes), size):
-            item = WorkItem(
-                message.id, indexes[start : start + size], route, message.klass, message.tenant
-            )
-            self._core.enqueue(now, key, item, message.klass, message.tenant, run=False)
+        items = [
+            WorkItem(message.id, indexes[i : i + size], route, message.klass, message.tenant)
+            for i in range(0, len(indexes), size)
+        ]
+        domains = {domain_of(message.recipients[i].address) for i in indexes}
+        self._place(items, base, domain, domains, relay, time.time())
+
+    def _place(
+        self,
+        items: list[WorkItem],
+        base: str,
+        domain: str,
+        domains: set[str],
+        relay: Relay | None,
+        now: float,
+    ) -> None:
+        """Queue work for destination `base`: each item at the source its class's or
+        tenant's pool picks (none: the default source), unless no source may send there."""
+        for item in items:
+            pool = self.pools.for_message(item.klass, item.tenant)
+            source = None if pool is None else self._source_for(pool, base, item.route, now)
+            if pool is not None and source is None:
+                self._no_source(item, pool, base, now)
+                continue
+            key = sourced(base, source)
+            destination = self.destinations.get(key)
+            if destination is None:
+                destination = self._new_destination(key, domain, item.route, relay, now, source)
+            destination.domains.update(domains)
+            destination.waiting.add(item.message_id)
+            self._core.enqueue(now, key, item, item.klass, item.tenant, run=False)
+
+    def _source_for(self, pool: Pool, base: str, route: Route, now: float) -> Source | None:
+        families = self.egress.families(base, _addresses(route), now)
+
+        def load(source: Source) -> int:
+            key = sourced(base, source)
+            if key not in self.destinations:
+                return 0
+            return sum(self._core.waiting(key).values()) + self._core.slots(key)[0]
+
+        return self.egress.choose(pool.sources, base, families, load, now)
+
+    def _no_source(self, item: WorkItem, pool: Pool, base: str, now: float) -> None:
+        """No source of the pool may send to `base`: every one of the families it has is
+        out after a blocklist reply (an internal wait until the first comes back, once),
+        or none is of its families (a failed attempt: the operator's pool or its DNS)."""
+        families = self.egress.families(base, _addresses(item.route), now)
+        back = self.egress.usable_after(pool.sources, base, families, now)
+        if back is not None and self._uncharged_wait(item.message_id):
+            self._unbusy(item.message_id, item.indexes)
+            self._schedule(item.message_id, back)
+            return
+        if back is not None:
+            text = f"every source of pool {pool.name} is blocklisted at {base}"
+        else:
+            wanted = "/".join(f"IPv{f}" for f in sorted(families)) or "no address"
+            text = f"pool {pool.name} has no source for {base} ({wanted})"
+        reply = Reply("connect", 0, "4.4.0" if back is None else "4.7.1", text, network="local")
+        self._charge(item.message_id, item.indexes, reply, destination=base)
 
     def _new_destination(
-        self, key: str, domain: str, route: Route, relay: Relay | None, now: float
+        self,
+        key: str,
+        domain: str,
+        route: Route,
+        relay: Relay | None,
+        now: float,
+        source: Source | None = None,
     ) -> Destination:
         shaping = self.cfg.shaping
         hosts = [h.name for h in route.hosts]
@@ -622,9 +709,16 @@ class DeliveryManager:
         )
         smarthost = self._smarthosts.get(key) if relay is not None else None
         destination = Destination(
-            key, pacing, shaper, hosts=hosts, port=route.port, relay=relay, smarthost=smarthost
+            key,
+            pacing,
+            shaper,
+            hosts=hosts,
+            port=route.port,
+            relay=relay,
+            smarthost=smarthost,
+            source=source,
         )
-        for name in (key, domain) if domain else (key,):
+        for name in (key, destination.base, domain) if domain else (key, destination.base):
             if name in self._overrides:
                 self._overrides[name](destination.shaper, now)
         self.destinations[key] = destination
@@ -641,7 +735,8 @@ class DeliveryManager:
         if link is None:  # the slot's first connect
             destination = self.destinations[action.destination]
             message = self.spool.messages.get(item.message_id)
-            candidates = self.sender.candidates(item.route, now)
+            families = self._families(destination, item.route, now)
+            candidates = self.sender.candidates(item.route, now, families)
             if message is None or message.held or isinstance(candidates, Suspended):
                 self._act(self._core.abandon(now, action.conn))
                 if isinstance(candidates, Suspended) and message is not None:
@@ -656,9 +751,11 @@ class DeliveryManager:
         last_one = all(h == host for h, _ in link.candidates[link.tried :])
         port = item.route.port
         started = time.monotonic()
-        smarthost = link.destination.smarthost
+        destination = link.destination
         try:
-            opened = await self.sender.connect(host, ip, port, last_one, smarthost)
+            opened = await self.sender.connect(
+                host, ip, port, last_one, destination.smarthost, destination.source
+            )
         except Exception as exc:  # a bug: the attempt counts, as a local error
             log.exception("attempt_failed", id=item.message_id)
             self._links.pop(action.conn, None)
@@ -675,7 +772,7 @@ class DeliveryManager:
             self._learned_changes(link.destination, now)  # a latency far over the baseline
             self._act(actions)
             return
-        failed = self.sender.result(0, opened, host, None)
+        failed = self.sender.result(0, opened, host, ip)
         self._relay_refused(link.destination, host, ip, [failed])
         link.failures.append(failed)
         link.destination.record(now, opened)
@@ -695,8 +792,8 @@ class DeliveryManager:
         item, destination = link.item, link.destination
         assert item is not None
         reply = link.failures[-1].reply
-        host = link.failures[-1].remote_mta
-        results = [self.sender.result(i, reply, host, None) for i in item.indexes]
+        host, ip = link.failures[-1].remote_mta, link.failures[-1].ip
+        results = [self.sender.result(i, reply, host, ip) for i in item.indexes]
         now = time.time()
         requeued = self._settle_item(destination, item, results, now)
         self._retire(destination)
@@ -724,7 +821,8 @@ class DeliveryManager:
             self._unbusy(item.message_id, item.indexes)
             self._done(conn, link, [])
             return
-        if not self.sender.fits(link.conn, item.route, time.time()):
+        families = self._families(destination, item.route, time.time())
+        if not self.sender.fits(link.conn, item.route, time.time(), families):
             # An idle connection to a host since suspended, or not of this route: the
             # item goes back to its queue and waits for a connection of its own.
             self._done(conn, link, [], reusable=False)
@@ -910,6 +1008,12 @@ class DeliveryManager:
         did."""
         refusals = self._refusals.get(item.message_id, 0)
         back, results = throttle_refused(results, refusals)
+        again, results, moved = self._refused_egress(destination, item, results, now)
+        if again:
+            self._refusals[item.message_id] = refusals + 1
+            indexes = [r.index for r in again]
+            moved = WorkItem(item.message_id, indexes, item.route, item.klass, item.tenant)
+            self._replace(destination, [moved], now)
         if results:
             self._finish(
                 item.message_id,
@@ -931,7 +1035,63 @@ class DeliveryManager:
             )
             again = WorkItem(item.message_id, indexes, item.route, item.klass, item.tenant)
             self._core.enqueue(now, destination.key, again, item.klass, item.tenant, run=False)
-        return bool(back)
+        return bool(back or again or moved)
+
+    def _families(self, destination: Destination, route: Route, now: float) -> set[int]:
+        """The address families a connection of `destination` may use: its source's, or
+        those of its route (IPv4 alone for a site that refused our IPv6)."""
+        if destination.source is not None:
+            return {destination.source.family}
+        return self.egress.families(destination.base, _addresses(route), now)
+
+    def _refused_egress(
+        self, destination: Destination, item: WorkItem, results: list[Result], now: float
+    ) -> tuple[list[Result], list[Result], bool]:
+        """Split off the results to send again at once, uncharged (then the rest, to
+        settle, and whether waiting mail moved): those refused for our source (a blocklist
+        reply: the source leaves the destination, its waiting mail and these go to the
+        pool's others) or for our IPv6 address (a site that wants IPv4 gets it from now
+        on), when another source or IPv4 is there to take them, and not
+        THROTTLE_REQUEUES times in a row already."""
+        base, source = destination.base, destination.source
+        pool = self.pools.for_message(item.klass, item.tenant) if source is not None else None
+        blocked = [r for r in results if r.verdict.kind == BLOCKLIST] if pool else []
+        ipv6 = [r for r in results if r.verdict.kind == IPV6 and r.ip and family_of(r.ip) == 6]
+        moved = False
+        if blocked and pool is not None and source is not None:
+            if self.egress.exclude(base, source, now, pool.blocklist_hold):
+                log.warning(
+                    "source_blocklisted",
+                    destination=base,
+                    source=source.address,
+                    pool=pool.name,
+                    until=now + pool.blocklist_hold,
+                    reply=blocked[0].reply.line(),
+                )
+            moved = True
+        if ipv6 and self.egress.refuse_ipv6(base, now):
+            log.warning("ipv6_refused", destination=base, reply=ipv6[0].reply.line())
+            moved = moved or source is not None
+        if moved:  # what waits there goes to the pool's other sources (or IPv4) now
+            waiting = self._core.remove(now, lambda _: True, destination.key)
+            self._replace(destination, waiting, now)
+        refused = blocked + ipv6
+        if not refused or self._refusals.get(item.message_id, 0) >= THROTTLE_REQUEUES:
+            return [], results, moved
+        if pool is not None:
+            elsewhere = self._source_for(pool, base, item.route, now) is not None
+        else:
+            elsewhere = 4 in self.egress.families(base, _addresses(item.route), now)
+        if not elsewhere:
+            return [], results, moved
+        ids = {id(r) for r in refused}
+        return refused, [r for r in results if id(r) not in ids], moved
+
+    def _replace(self, destination: Destination, items: list[WorkItem], now: float) -> None:
+        """Queue items of `destination` again at its base (another source, perhaps)."""
+        domain = min(destination.domains) if destination.domains else destination.base
+        domains = set(destination.domains)
+        self._place(items, destination.base, domain, domains, destination.relay, now)
 
     def _finish(
         self,
@@ -1226,6 +1386,7 @@ class DeliveryManager:
         core = self._core
         return [
             d.snapshot(now, suspended, core.waiting(d.key), core.slots(d.key)[0])
+            | self.egress.snapshot(d.base, d.source, now)
             for d in self.destinations.values()
         ]
 
@@ -1264,9 +1425,13 @@ def _named(destination: Destination, name: str) -> bool:
     """Whether an operator's name (ctl limit, backoff, forget) means this destination: its
     key, or a domain it serves, unless it is a smarthost (a limit for gmail.com paces
     Gmail's MX, not an ESP that carries some of that mail)."""
-    if name == destination.key:
+    if name in (destination.key, destination.base):
         return True
     return destination.relay is None and name in destination.domains
+
+
+def _addresses(route: Route) -> list[str]:
+    return [address for host in route.hosts for address in host.addresses]
 
 
 def _earliest_due(message: Message) -> float | None:

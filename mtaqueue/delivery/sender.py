@@ -9,7 +9,9 @@ about them is the manager's and the policy's business.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import msgspec
@@ -17,11 +19,12 @@ import msgspec
 from .. import config
 from ..logs import get_logger
 from ..model import Message
-from ..policy.classify import AUTH, DELIVERED, HOST, THROTTLING, Rule, classify
+from ..policy.classify import AUTH, BLOCKLIST, DELIVERED, HOST, IPV6, THROTTLING, Rule, classify
 from ..policy.hosts import HostSuspensions, host_key
 from ..policy.replies import Reply
 from ..policy.settle import Result
 from ..policy.shaper import REFUSALS_PER_CONNECTION
+from ..routing.pools import Source, family_of
 from ..routing.resolver import Route
 from ..smtp.client import ClientSettings, ConnectFailed, Smarthost, SmtpConnection
 
@@ -49,8 +52,11 @@ class Sender:
         self.hosts = hosts
         self.delivery = delivery
 
-    def candidates(self, route: Route, now: float) -> list[tuple[str, str]] | Suspended:
-        """The (host, address) pairs to try in order: the hosts not suspended."""
+    def candidates(
+        self, route: Route, now: float, families: Collection[int] = (4, 6)
+    ) -> list[tuple[str, str]] | Suspended:
+        """The (host, address) pairs to try in order: the hosts not suspended, their
+        addresses of `families` (a source's, or IPv4 for a site that refuses IPv6)."""
         port = route.port
         hosts = [h for h in route.hosts if not self.hosts.suspended(host_key(h.name, port), now)]
         if not hosts:
@@ -58,12 +64,14 @@ class Sender:
             release = self.hosts.next_release(keys, now)
             until = release or now + self.delivery.host_suspend
             return Suspended(until, self._suspended(keys))
-        return [(h.name, ip) for h in hosts for ip in h.addresses]
+        return [(h.name, ip) for h in hosts for ip in h.addresses if family_of(ip) in families]
 
-    def fits(self, conn: SmtpConnection, route: Route, now: float) -> bool:
+    def fits(
+        self, conn: SmtpConnection, route: Route, now: float, families: Collection[int] = (4, 6)
+    ) -> bool:
         """Whether an open connection can carry mail of `route`: reusable, and to one of
-        its hosts not suspended."""
-        candidates = self.candidates(route, now)
+        its hosts not suspended, over an address family still wanted."""
+        candidates = self.candidates(route, now, families)
         return (
             self.reusable(conn)
             and not isinstance(candidates, Suspended)
@@ -101,11 +109,21 @@ class Sender:
         return msgspec.structs.replace(reason, text=f"{text.strip()} {note}")
 
     async def connect(
-        self, host: str, ip: str, port: int, last_one: bool, smarthost: Smarthost | None = None
+        self,
+        host: str,
+        ip: str,
+        port: int,
+        last_one: bool,
+        smarthost: Smarthost | None = None,
+        source: Source | None = None,
     ) -> SmtpConnection | Reply:
         """`last_one`: no other host is left to try (see `tries_next`); `smarthost`: the
-        relay's TLS and AUTH, for a relay destination."""
+        relay's TLS and AUTH, for a relay destination; `source`: the pool's address to
+        bind and its EHLO name."""
         client = self.client
+        if source is not None:
+            helo = source.helo or client.helo_name
+            client = dataclasses.replace(client, helo_name=helo, source=source.address)
         try:
             return await SmtpConnection.open(host, ip, port, client, smarthost=smarthost)
         except ConnectFailed as failed:
@@ -120,8 +138,10 @@ class Sender:
             verdict = classify(failed.reply, self.rules)
             paced = last_one and verdict.kind == THROTTLING
             # Refused credentials are ours, not the host's: the destination's breaker (by
-            # smarthost and user) holds them, not a suspension of a host others may use.
-            if verdict.scope in ("host", "destination") and not paced and verdict.kind != AUTH:
+            # smarthost and user) holds them, not a suspension of a host others may use;
+            # so is a listed source or an IPv6 address the site will not take from us.
+            ours = verdict.kind in (AUTH, BLOCKLIST, IPV6) or failed.reply.network == "local"
+            if verdict.scope in ("host", "destination") and not paced and not ours:
                 self._suspend(host, port, ip, failed.reply)
             return failed.reply
 
@@ -131,9 +151,12 @@ class Sender:
         from ...") is the destination pacing us: it suspends no host (the only MX would
         stop all delivery) and ends the try. From one of several, the next is tried.
         Refused AUTH ends it too: every address would refuse the same credentials, and
-        each failed login counts against the account."""
+        each failed login counts against the account; so does a blocklist reply (the site
+        refuses our source, whatever its host) and a source we cannot bind."""
         kind = classify(reply, self.rules).kind
-        return not (kind == AUTH or (last_one and kind == THROTTLING))
+        if kind in (AUTH, BLOCKLIST) or reply.network == "local":
+            return False
+        return not (last_one and kind == THROTTLING)
 
     async def transaction(
         self, conn: SmtpConnection, message: Message, indexes: list[int], content: bytes

@@ -33,6 +33,11 @@ is the message's, transient: no host is suspended for our bug.
 
 In short, the table says:
 - greylisting words ("greylisted", "graylist", "postgrey") in a 4xx: greylisting, recipient;
+- our client address on a blocklist ("blocked using zen.spamhaus.org", "listed at", DNSBL,
+  RBL) in any phase, 4xx or 5xx: blocklist, transient, destination (our source's reputation
+  at that site, never a reason to bounce: another source of its pool takes the mail);
+- "IPv6" with "PTR"/"guidelines" (Gmail's 550-5.7.1): ipv6, transient, destination (the
+  site wants us over IPv4: the recipient goes again over IPv4);
 - 4xx with 4.7.28, Microsoft 4.7.5xx/6xx, Yahoo TSxx, "rate limited", "too many
   connections", "server busy"...: throttling, destination (Yahoo TS03 with a 4 h wait);
   Gmail's 450 4.2.1 "receiving mail too quickly" is one mailbox's limit: recipient;
@@ -96,6 +101,8 @@ DNS = "dns"
 PROTOCOL = "protocol"
 TLS = "tls"
 AUTH = "auth"
+BLOCKLIST = "blocklist"
+IPV6 = "ipv6"
 OTHER = "other"
 # AMBIGUOUS is also a kind: a lost final reply taken as delivered (see classify).
 KINDS = (
@@ -113,6 +120,8 @@ KINDS = (
     PROTOCOL,
     TLS,
     AUTH,
+    BLOCKLIST,
+    IPV6,
     OTHER,
     AMBIGUOUS,
 )
@@ -270,6 +279,15 @@ _NO_SUCH_USER = (
     r"|does ?n[o']t exist|mailbox (?:unavailable|not found)|invalid (?:recipient|mailbox)"
     r"|does ?n[o']t have an? \S+ account"
 )
+# Our client address on a DNSBL or the site's own list ("blocked using zen.spamhaus.org",
+# Yahoo's "[BL21] ... in Spamhaus's list", Microsoft's "5.7.606 banned sending IP").
+_BLOCKLIST = (
+    r"block ?list|black ?list|\bblocked using\b|\b(?:spamhaus|spamcop|barracuda|sorbs|uceprotect)"
+    r"|\b(?:DNSBL|RBL)\b|\blisted (?:at|on|in|by)\b|banned sending ip|\bBL2[0-9]\b"
+)
+# Gmail: "550-5.7.1 ... does not meet IPv6 sending guidelines regarding PTR records and
+# authentication": our IPv6 address lacks what it wants; IPv4 would do.
+_IPV6 = r"\bIPv6\b.*\b(?:PTR|reverse|guidelines)\b|\b(?:PTR|reverse dns)\b.*\bIPv6\b"
 # Yahoo TS03 ("permanently deferred, retrying will NOT succeed") comes as a 4xx: the mail
 # stays ours, so keep it, but do not knock again for hours; expiry ends it if nothing changes.
 _TS03_WAIT = 4 * 3600.0
@@ -277,6 +295,10 @@ _TS03_WAIT = 4 * 3600.0
 _TABLE = (
     # Greylisting says so; nothing else uses those words, so they come first.
     _row(GREYLISTING, codes="4xx", text=_GREYLIST),
+    # About our source address, not the message or the recipient: deferred, never bounced
+    # (another source of its pool takes it, or it waits for the delisting until its lifetime).
+    _row(BLOCKLIST, text=_BLOCKLIST, outcome=TRANSIENT, scope=DESTINATION),
+    _row(IPV6, text=_IPV6, outcome=TRANSIENT, scope=DESTINATION),
     # Throttling: pace the destination. Gmail's 4.2.1 "receiving mail too quickly" limits
     # one mailbox, though: that stays with the recipient.
     _row(THROTTLING, codes="4xx", status="x.2.1", text=r"too quickly|at a rate"),

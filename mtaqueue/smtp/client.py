@@ -43,6 +43,7 @@ class ClientSettings:
     helo_name: str
     timeouts: TimeoutsConfig
     tls: str  # "opportunistic", "required" or "off"
+    source: str = ""  # the local address to bind (a pool's source); "" = the system's choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,13 @@ class SmtpConnection:
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
+        if settings.source:
+            try:
+                sock.bind((settings.source, 0))
+            except OSError as exc:  # ours (an address this host does not have): not the host's
+                sock.close()
+                text = f"cannot bind source {settings.source}: {exc}"
+                raise ConnectFailed(_network("connect", "local", text)) from None
         try:
             await asyncio.wait_for(loop.sock_connect(sock, (ip, port)), t.connect)
         except TimeoutError:
