@@ -97,3 +97,69 @@ def test_a_blocklisted_source_leaves_that_destination_while_the_other_delivers(n
     late = peer.wait_messages(14)[10:]
     assert {m.client_ip for m in late} == {B}
     assert refused() == before
+
+
+# -- IPv6 and IPv4 (the test DNS publishes both for mx.example.org: ::1 and 127.0.0.2) ----
+
+GMAIL_IPV6 = (
+    "550-5.7.1 [::1] Our system has detected that this message does\n"
+    "550-5.7.1 not meet IPv6 sending guidelines regarding PTR records and\n"
+    "550 5.7.1 authentication. https://support.google.com/mail/?p=IPv6AuthError"
+)
+
+
+def dual_stack(addresses: list[str]) -> MailNet:
+    net = MailNet(addresses)
+    net.dns.add("example.org", "MX", "10 mx.example.org")
+    net.dns.add("mx.example.org", "A", "127.0.0.2")
+    net.dns.add("mx.example.org", "AAAA", "::1")
+    return net
+
+
+def test_ipv6_first_falls_back_to_ipv4_in_the_same_attempt(start_daemon):
+    with dual_stack(["127.0.0.2"]) as net:  # nothing listens on ::1: refused at once
+        (peer,) = net.peers
+        daemon = start_daemon(*net.daemon_overrides(), *FAST, "delivery.address_order=ipv6-first")
+        daemon.send("app@sender.test", ["a@example.org"], BODY)
+        peer.wait_messages(1)
+        (delivery,) = wait_for(lambda: events(daemon, "delivery"))
+        assert delivery["outcome"] == "delivered" and delivery["attempt"] == 1
+        assert delivery["ip"] == "127.0.0.2"
+
+
+def test_a_site_that_refuses_our_ipv6_gets_ipv4_at_once_and_from_then_on(start_daemon):
+    with dual_stack(["::1", "127.0.0.2"]) as net:
+        six, four = net.peers
+        six.on("rcpt", GMAIL_IPV6)
+        daemon = start_daemon(*net.daemon_overrides(), *FAST, "delivery.address_order=ipv6-first")
+        daemon.send("app@sender.test", ["a@example.org"], BODY)
+        (first,) = four.wait_messages(1)
+        assert first.rcpt_tos == ["a@example.org"]
+        refused = wait_for(lambda: events(daemon, "ipv6_refused"))
+        assert refused[0]["destination"] == f"mx.example.org:{four.port}"
+        (delivery,) = wait_for(lambda: events(daemon, "delivery"))
+        assert delivery["outcome"] == "delivered" and delivery["attempt"] == 1  # not bounced
+        connections = len({e.connection for e in six.log})
+        daemon.restart()  # remembered (egress.json): IPv4 straight away
+        daemon.send("app@sender.test", ["b@example.org"], BODY)
+        four.wait_messages(2)
+        assert len({e.connection for e in six.log}) == connections
+        shown = destinations(daemon)[f"mx.example.org:{four.port}"]
+        assert shown["ipv4_only"] is True
+
+
+def test_a_dual_stack_pool_binds_each_family_to_its_own_source(start_daemon):
+    with dual_stack(["::1", "127.0.0.2"]) as net:
+        six, four = net.peers
+        daemon = start_daemon(
+            *net.daemon_overrides(),
+            *FAST,
+            'pools.bulk.sources=["127.0.0.11", "::1"]',
+            "classes.p2.pool=bulk",
+        )
+        for i in range(6):
+            daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+        wait_for(lambda: len(six.messages) + len(four.messages) == 6)
+        assert six.messages and four.messages
+        assert {m.client_ip for m in six.messages} == {"::1"}
+        assert {m.client_ip for m in four.messages} == {"127.0.0.11"}

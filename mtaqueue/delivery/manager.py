@@ -749,12 +749,21 @@ class DeliveryManager:
         host, ip = link.candidates[link.tried]
         link.tried += 1
         last_one = all(h == host for h, _ in link.candidates[link.tried :])
+        # Another address of this host is next (its other family, say): the host is not
+        # down, one path to it is; it is suspended only if that one fails too.
+        same_host = any(h == host for h, _ in link.candidates[link.tried :])
         port = item.route.port
         started = time.monotonic()
         destination = link.destination
         try:
             opened = await self.sender.connect(
-                host, ip, port, last_one, destination.smarthost, destination.source
+                host,
+                ip,
+                port,
+                last_one,
+                destination.smarthost,
+                destination.source,
+                suspend=not same_host,
             )
         except Exception as exc:  # a bug: the attempt counts, as a local error
             log.exception("attempt_failed", id=item.message_id)

@@ -116,10 +116,13 @@ class Sender:
         last_one: bool,
         smarthost: Smarthost | None = None,
         source: Source | None = None,
+        *,
+        suspend: bool = True,
     ) -> SmtpConnection | Reply:
         """`last_one`: no other host is left to try (see `tries_next`); `smarthost`: the
         relay's TLS and AUTH, for a relay destination; `source`: the pool's address to
-        bind and its EHLO name."""
+        bind and its EHLO name; `suspend` False: a failure does not suspend the host
+        (another of its addresses is tried next)."""
         client = self.client
         if source is not None:
             helo = source.helo or client.helo_name
@@ -141,7 +144,7 @@ class Sender:
             # smarthost and user) holds them, not a suspension of a host others may use;
             # so is a listed source or an IPv6 address the site will not take from us.
             ours = verdict.kind in (AUTH, BLOCKLIST, IPV6) or failed.reply.network == "local"
-            if verdict.scope in ("host", "destination") and not paced and not ours:
+            if verdict.scope in ("host", "destination") and suspend and not paced and not ours:
                 self._suspend(host, port, ip, failed.reply)
             return failed.reply
 

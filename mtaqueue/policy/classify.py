@@ -287,7 +287,10 @@ _BLOCKLIST = (
 )
 # Gmail: "550-5.7.1 ... does not meet IPv6 sending guidelines regarding PTR records and
 # authentication": our IPv6 address lacks what it wants; IPv4 would do.
-_IPV6 = r"\bIPv6\b.*\b(?:PTR|reverse|guidelines)\b|\b(?:PTR|reverse dns)\b.*\bIPv6\b"
+_IPV6 = (
+    r"(?s)\bIPv6\b.*\b(?:PTR|reverse|guidelines)\b|\b(?:PTR|reverse dns)\b.*\bIPv6\b"
+    r"|\bIPv6AuthError\b"
+)
 # Yahoo TS03 ("permanently deferred, retrying will NOT succeed") comes as a 4xx: the mail
 # stays ours, so keep it, but do not knock again for hours; expiry ends it if nothing changes.
 _TS03_WAIT = 4 * 3600.0
