@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -468,12 +469,8 @@ class DeliveryManager:
         return rate_learner.encode(self._learned)
 
     def _save_learned(self, data: bytes) -> None:
-        try:
-            statefile.write_atomic(self.spool.layout.learned, data)
-        except OSError as exc:  # kept in memory; the next sweep tries again
-            log.warning("learned_save_failed", error=str(exc))
-            return
-        self._saved = data
+        if _write_state(self.spool.layout.learned, data, "learned"):
+            self._saved = data
 
     def _load_egress(self) -> None:
         try:
@@ -485,12 +482,8 @@ class DeliveryManager:
             log.warning("egress_unreadable", error=str(exc))
 
     def _save_egress(self, data: bytes) -> None:
-        try:
-            statefile.write_atomic(self.spool.layout.egress, data)
-        except OSError as exc:  # kept in memory; the next sweep tries again
-            log.warning("egress_save_failed", error=str(exc))
-            return
-        self._egress_saved = data
+        if _write_state(self.spool.layout.egress, data, "egress"):
+            self._egress_saved = data
 
     def _read(self, message_id: str) -> Message | None:
         """A message for a walk over the queue; None if gone, or if its record does not
@@ -1437,6 +1430,17 @@ def _named(destination: Destination, name: str) -> bool:
     if name in (destination.key, destination.base):
         return True
     return destination.relay is None and name in destination.domains
+
+
+def _write_state(path: Path, data: bytes, what: str) -> bool:
+    """Replace a state file; False (logged `<what>_save_failed`) if it could not be: the
+    state is kept in memory, and the next sweep tries again."""
+    try:
+        statefile.write_atomic(path, data)
+    except OSError as exc:
+        log.warning(f"{what}_save_failed", error=str(exc))
+        return False
+    return True
 
 
 def _addresses(route: Route) -> list[str]:
