@@ -11,9 +11,9 @@ the endpoint takes to get the whole backlog once it answers again.
 Each round: `smtp-source` submits to mtaqueue, which relays everything to one `smtp-sink`
 (as in delivery_bench.py); in the webhook rounds a `[[webhooks]]` endpoint takes every event
 (accepted and delivered: two per message; with `--events delivered`, one), an aiohttp server
-in its own process that checks each signature and counts. The two kinds of round alternate. Printed per round: mail
-throughput, the events' rate, and how long after the last delivery the endpoint had every
-event; then the medians and the ratio (target: webhooks lower throughput by at most 10%).
+in its own process that checks each signature and counts. The two kinds of round alternate.
+Printed per round: mail throughput, the events' rate, and how long after the last delivery
+the endpoint had every event; then the medians and the ratio (target: webhooks lower throughput by at most 10%).
 """
 
 from __future__ import annotations
