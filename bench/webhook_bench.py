@@ -13,7 +13,8 @@ Each round: `smtp-source` submits to mtaqueue, which relays everything to one `s
 (accepted and delivered: two per message; with `--events delivered`, one), an aiohttp server
 in its own process that checks each signature and counts. The two kinds of round alternate.
 Printed per round: mail throughput, the events' rate, and how long after the last delivery
-the endpoint had every event; then the medians and the ratio (target: webhooks lower throughput by at most 10%).
+the endpoint had every event; then the medians and the ratio (target: webhooks lower
+throughput by at most 10%).
 """
 
 from __future__ import annotations
@@ -159,7 +160,10 @@ def main() -> None:
     parser = load_parser(__doc__)
     parser.add_argument("--dead", type=int, nargs="*", default=None, metavar="N")
     parser.add_argument(
-        "--events", nargs="*", choices=("accepted", "delivered"), default=None,
+        "--events",
+        nargs="*",
+        choices=("accepted", "delivered"),
+        default=None,
         help="the webhook's event types (default: every type: accepted and delivered here)",
     )
     args = parser.parse_args()
