@@ -1014,8 +1014,8 @@ class DeliveryManager:
         if again:
             self._refusals[item.message_id] = refusals + 1
             indexes = [r.index for r in again]
-            moved = WorkItem(item.message_id, indexes, item.route, item.klass, item.tenant)
-            self._replace(destination, [moved], now)
+            refused = WorkItem(item.message_id, indexes, item.route, item.klass, item.tenant)
+            self._replace(destination, [refused], now)
         if results:
             self._finish(
                 item.message_id,
