@@ -45,7 +45,6 @@ from ..policy.buckets import TokenBucket
 from ..policy.classify import AUTH, TLS, compile_rules
 from ..policy.fairness import class_order
 from ..policy.hosts import HostSuspensions
-from ..policy.mta_sts import Applied, eligible
 from ..policy.replies import Reply
 from ..policy.revalidate import CANCEL, HOLD
 from ..policy.settle import (
@@ -81,7 +80,7 @@ from ..spool.store import Spool, StorageError, StorageFull
 from ..spool.walk import WALK_CHUNK, chunks, walk
 from . import smarthosts
 from .destination import Destination, DestinationsView, WorkItem, destination_key
-from .mta_sts import Policies, tls_context
+from .mta_sts import Policies, restricted, tls_context
 from .revalidation import Revalidation
 from .sender import Sender, Suspended
 
@@ -554,7 +553,7 @@ class DeliveryManager:
                 route, sts = await asyncio.gather(
                     self.resolver.route(hop), self._sts.applied(hop.host)
                 )
-                route = _with_sts(route, sts)
+                route = restricted(route, sts)
             else:
                 route = await self.resolver.route(hop)
         except Exception as exc:
@@ -1290,30 +1289,6 @@ def _own_mx(hop: NextHop, relay: Relay | None, work: list[tuple[Message, list[in
     message, indexes = work[0]
     domain = domain_of(message.recipients[indexes[0]].address)
     return relay is None and hop.mx and hop.host == domain
-
-
-def _with_sts(route: Route | RouteFailure, sts: Applied | None) -> Route | RouteFailure:
-    """The route with the domain's MTA-STS policy: in enforce mode only the MX hosts it
-    lists (none: deferred, never a host it does not list); unlisted hosts are logged."""
-    if sts is None or isinstance(route, RouteFailure):
-        return route
-    names, unlisted = eligible(sts, [h.name for h in route.hosts])
-    for host in unlisted:
-        log.warning(
-            "mta_sts_violation",
-            domain=sts.domain,
-            mode=sts.mode,
-            policy_id=sts.id,
-            host=host,
-            reason="MX host not listed in the policy",
-            action="delivered as usual" if host in names else "host skipped",
-        )
-    hosts = tuple(h for h in route.hosts if h.name in names)
-    if not hosts:
-        listed = " ".join(sts.mx)
-        text = f"{sts.domain}: no MX host matches its MTA-STS policy (mx: {listed}); deferred"
-        return RouteFailure(False, "4.7.5", text, network="tls")
-    return msgspec.structs.replace(route, hosts=hosts, sts=sts)
 
 
 def _named(destination: Destination, name: str) -> bool:

@@ -29,11 +29,12 @@ from ..policy.mta_sts import (
     Fetch,
     Policy,
     after_fetch,
+    eligible,
     parse_policy,
     parse_record,
     plan,
 )
-from ..routing.resolver import Resolver
+from ..routing.resolver import Resolver, Route, RouteFailure
 from ..spool import statefile
 
 log = get_logger("delivery")
@@ -200,6 +201,37 @@ class Policies:
             log.warning("mta_sts_state_save_failed", error=str(exc))
             return
         self._saved = data
+
+
+def restricted(route: Route | RouteFailure, sts: Applied | None) -> Route | RouteFailure:
+    """The route with the domain's MTA-STS policy: in enforce mode only the MX hosts it
+    lists (none: deferred, never a host it does not list); unlisted hosts are logged."""
+    if sts is None or isinstance(route, RouteFailure):
+        return route
+    names, unlisted = eligible(sts, [h.name for h in route.hosts])
+    for host in unlisted:
+        action = "delivered as usual" if host in names else "host skipped"
+        violation(sts, host, "MX host not listed in the policy", action)
+    hosts = tuple(h for h in route.hosts if h.name in names)
+    if not hosts:
+        listed = " ".join(sts.mx)
+        text = f"{sts.domain}: no MX host matches its MTA-STS policy (mx: {listed}); deferred"
+        return RouteFailure(False, "4.7.5", text, network="tls")
+    return msgspec.structs.replace(route, hosts=hosts, sts=sts)
+
+
+def violation(sts: Applied, host: str, reason: str, action: str, ip: str | None = None) -> None:
+    """Log what enforce mode refuses (`action`: what came of it)."""
+    log.warning(
+        "mta_sts_violation",
+        domain=sts.domain,
+        mode=sts.mode,
+        policy_id=sts.id,
+        host=host,
+        ip=ip,
+        reason=reason,
+        action=action,
+    )
 
 
 class _PolicyHostResolver(aiohttp.abc.AbstractResolver):

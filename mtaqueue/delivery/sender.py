@@ -27,6 +27,7 @@ from ..policy.shaper import REFUSALS_PER_CONNECTION
 from ..routing.relays import STARTTLS
 from ..routing.resolver import Route
 from ..smtp.client import ClientSettings, ConnectFailed, Smarthost, SmtpConnection
+from . import mta_sts
 
 log = get_logger("delivery")
 
@@ -162,16 +163,8 @@ class Sender:
             if reply.phase != "starttls":  # the host's failure, not a TLS one
                 raise
             enforced = need == VERIFY
-            log.warning(
-                "mta_sts_violation",
-                domain=sts.domain,
-                mode=sts.mode,
-                policy_id=sts.id,
-                host=host,
-                ip=ip,
-                reason=reply.text,
-                action="deferred" if enforced else "delivered as usual",
-            )
+            action = "deferred" if enforced else "delivered as usual"
+            mta_sts.violation(sts, host, reply.text, action, ip)
             if not enforced:
                 return await self._open(host, ip, port, None)
             why = f"{reply.text} (MTA-STS: {sts.domain} requires TLS with a valid certificate)"
