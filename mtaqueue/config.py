@@ -198,6 +198,15 @@ class DnsConfig(_Table):
     negative_ttl_max: Duration = _d("5m")
 
 
+class MtaStsConfig(_Table):
+    """MTA-STS (RFC 8461) for delivery to recipient domains' MX hosts."""
+
+    enabled: bool = True
+    ca_file: str = ""  # CAs that policy hosts and enforced MX certificates chain to; "" = system
+    fetch_timeout: Duration = _d("10s")  # the whole HTTPS GET of a policy
+    https_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 443  # of policy hosts (tests)
+
+
 class TimeoutsConfig(_Table):
     """Per-phase SMTP client timeouts (RFC 5321 4.5.3.2 minimums, Postfix's connect)."""
 
@@ -427,6 +436,7 @@ class Config(_Table):
     alerts: AlertsConfig = msgspec.field(default_factory=AlertsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     dns: DnsConfig = msgspec.field(default_factory=DnsConfig)
+    mta_sts: MtaStsConfig = msgspec.field(default_factory=MtaStsConfig)
     delivery: DeliveryConfig = msgspec.field(default_factory=DeliveryConfig)
     routes: dict[str, str] = {}  # lower-cased domain -> next hop
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
@@ -612,6 +622,7 @@ def _validate(cfg: Config) -> None:
         "listen.command_timeout": listen.command_timeout,
         "listen.data_timeout": listen.data_timeout,
         "dns.timeout": cfg.dns.timeout,
+        "mta_sts.fetch_timeout": cfg.mta_sts.fetch_timeout,
         "alerts.interval": cfg.alerts.interval,
     } | {f"classes.{name}.lifetime": c.lifetime for name, c in cfg.classes.items()}
     for path, seconds in positive.items():

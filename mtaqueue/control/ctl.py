@@ -130,6 +130,14 @@ def _list_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "list", {k: v for k, v in filters.items() if v is not None}
 
 
+def _recipient_line(rcpt: dict[str, Any]) -> str:
+    """A recipient's line in list and review: address, state, attempts so far."""
+    line = f"    {rcpt['address']}  {rcpt['state']}"
+    if attempts := rcpt["attempts"]:
+        line += f", {attempts} attempt{'s' if attempts > 1 else ''}"
+    return line
+
+
 def _list_show(reply: Reply, out: TextIO) -> None:
     count = size = 0
     for msg in reply:
@@ -141,9 +149,7 @@ def _list_show(reply: Reply, out: TextIO) -> None:
             f" {msg['sender'] or '<>'}{held}\n"
         )
         for rcpt in msg["recipients"]:
-            line = f"    {rcpt['address']}  {rcpt['state']}"
-            if attempts := rcpt["attempts"]:
-                line += f", {attempts} attempt{'s' if attempts > 1 else ''}"
+            line = _recipient_line(rcpt)
             if rcpt["next_attempt"] is not None:
                 line += f", next {_time(rcpt['next_attempt'])}"
             if rcpt["last_reply"]:
@@ -215,9 +221,7 @@ def _review_show(reply: Reply, out: TextIO) -> None:
             f" in review {_duration(msg['waiting'])}: {reason}\n"
         )
         for rcpt in msg["recipients"]:
-            line = f"    {rcpt['address']}  {rcpt['state']}"
-            if attempts := rcpt["attempts"]:
-                line += f", {attempts} attempt{'s' if attempts > 1 else ''}"
+            line = _recipient_line(rcpt)
             if rcpt["cause"]:
                 line += f", cause {rcpt['cause']}"
             if rcpt["last_reply"]:

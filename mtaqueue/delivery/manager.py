@@ -88,6 +88,7 @@ from ..spool.store import Spool, StorageError, StorageFull
 from ..spool.walk import WALK_CHUNK, chunks, walk
 from . import smarthosts
 from .destination import Destination, DestinationsView, WorkItem, destination_key, sourced
+from .mta_sts import Policies, restricted, tls_context
 from .revalidation import Revalidation
 from .sender import Sender, Suspended
 
@@ -141,6 +142,7 @@ class DeliveryManager:
         self.on_connect: Callable[[str, float], None] | None = None  # destination, seconds
         self.revalidation = Revalidation(cfg, self._revalidated)
         self._started = False  # not started (delivery.enabled = false): nothing to save
+        self.policies: Policies | None = None  # MTA-STS, made by reconfigure
         self.reconfigure(cfg)
         self._overrides: dict[str, Callable[[DestinationShaper, float], None]] = {}
         self._links: dict[int, _Link] = {}  # the core's slots, by connection id
@@ -170,9 +172,17 @@ class DeliveryManager:
         self.revalidation.reconfigure(cfg)
         routes = relays(cfg)
         secrets = smarthosts.load(routes)  # passwords and CA files, read again at each reload
+        sts_context = tls_context(cfg.mta_sts)
         now = time.time()
         client = ClientSettings(d.helo_name or self.hostname, d.timeouts, d.tls)
-        self.sender = Sender(client, rules, self.hosts, d)
+        sts_tls = sts_context if cfg.mta_sts.enabled else None
+        self.sender = Sender(client, rules, self.hosts, d, sts_tls)
+        if self.policies is None:
+            self.policies = Policies(
+                cfg.mta_sts, sts_context, self.resolver, self.spool.layout.mta_sts
+            )
+        else:
+            self.policies.reconfigure(cfg.mta_sts, sts_context)
         self.classes = {name: (c.priority, c.weight) for name, c in cfg.classes.items()}
         self.first_class = class_order({n: c.priority for n, c in cfg.classes.items()})[0]
         self.settle_settings = {
@@ -247,6 +257,11 @@ class DeliveryManager:
         return min(destination.domains) if destination.domains else destination.key
 
     @property
+    def _sts(self) -> Policies:
+        assert self.policies is not None  # made by reconfigure in __init__
+        return self.policies
+
+    @property
     def _core(self) -> Scheduler[WorkItem]:
         assert self.core is not None  # made by reconfigure in __init__
         return self.core
@@ -266,6 +281,7 @@ class DeliveryManager:
         and spread over retry.restart_spread, except the first class."""
         self._learned = self._load_learned()
         self._load_egress()
+        self._sts.load()
         self._started = True
         self._spawn(self._schedule_queue(list(self.spool.messages), time.time()))
         self._spawn(self._expiry_sweep())
@@ -319,6 +335,7 @@ class DeliveryManager:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.revalidation.close()
+        await self._sts.close()
         if self._started:
             self._save_learned(self._learned_data(time.time()))
             self._save_egress(self.egress.encode(time.time()))
@@ -557,7 +574,13 @@ class DeliveryManager:
         failure: Exception | None = None
         route: Route | RouteFailure | None
         try:
-            route = await self.resolver.route(hop)
+            if _own_mx(hop, relay, work):  # RFC 8461 is about a domain's own MX hosts
+                route, sts = await asyncio.gather(
+                    self.resolver.route(hop), self._sts.applied(hop.host)
+                )
+                route = restricted(route, sts)
+            else:
+                route = await self.resolver.route(hop)
         except Exception as exc:
             log.exception("routing_failed", hop=hop.host)
             route, failure = None, exc
@@ -610,7 +633,7 @@ class DeliveryManager:
         route: Route | RouteFailure,
     ) -> None:
         if isinstance(route, RouteFailure):
-            reply = Reply("dns", 0, route.status, route.text, network="dns")
+            reply = Reply("dns", 0, route.status, route.text, network=route.network)
             results = [self.sender.result(i, reply, None, None) for i in indexes]
             name = relay.key if relay is not None else hop.host
             self._finish(message.id, indexes, results, destination=name)
@@ -755,6 +778,7 @@ class DeliveryManager:
                 port,
                 last_one,
                 destination.smarthost,
+                item.route.sts,
                 destination.source,
                 suspend=not same_host,
             )
@@ -1421,6 +1445,14 @@ class DeliveryManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _own_mx(hop: NextHop, relay: Relay | None, work: list[tuple[Message, list[int]]]) -> bool:
+    """Whether the hop is the recipients' domain's own MX lookup: not a smarthost, a
+    relayhost or a route elsewhere (the operator's choice of next hop, outside MTA-STS)."""
+    message, indexes = work[0]
+    domain = domain_of(message.recipients[indexes[0]].address)
+    return relay is None and hop.mx and hop.host == domain
 
 
 def _named(destination: Destination, name: str) -> bool:

@@ -10,6 +10,7 @@ about them is the manager's and the policy's business.
 from __future__ import annotations
 
 import dataclasses
+import ssl
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -21,12 +22,15 @@ from ..logs import get_logger
 from ..model import Message
 from ..policy.classify import AUTH, BLOCKLIST, DELIVERED, HOST, IPV6, THROTTLING, Rule, classify
 from ..policy.hosts import HostSuspensions, host_key
+from ..policy.mta_sts import AS_USUAL, VERIFY, Applied, requirement
 from ..policy.replies import Reply
 from ..policy.settle import Result
 from ..policy.shaper import REFUSALS_PER_CONNECTION
 from ..routing.pools import Source, family_of
+from ..routing.relays import STARTTLS
 from ..routing.resolver import Route
 from ..smtp.client import ClientSettings, ConnectFailed, Smarthost, SmtpConnection
+from . import mta_sts
 
 log = get_logger("delivery")
 
@@ -46,11 +50,15 @@ class Sender:
         rules: tuple[Rule, ...],
         hosts: HostSuspensions,
         delivery: config.DeliveryConfig,
+        sts_context: ssl.SSLContext | None = None,
     ) -> None:
         self.client = client
         self.rules = rules
         self.hosts = hosts
         self.delivery = delivery
+        # MTA-STS: STARTTLS required, the certificate verified for the MX name (as a
+        # smarthost's required TLS is, smtp/client.py).
+        self._sts_tls = Smarthost(STARTTLS, sts_context) if sts_context is not None else None
 
     def candidates(
         self, route: Route, now: float, families: Collection[int] = (4, 6)
@@ -69,13 +77,16 @@ class Sender:
     def fits(
         self, conn: SmtpConnection, route: Route, now: float, families: Collection[int] = (4, 6)
     ) -> bool:
-        """Whether an open connection can carry mail of `route`: reusable, and to one of
-        its hosts not suspended, over an address family still wanted."""
+        """Whether an open connection can carry mail of `route`: reusable, to one of its
+        hosts not suspended over an address family still wanted, verified if the route's
+        MTA-STS policy enforces (a connection opened for another domain of the same MX may
+        not be)."""
         candidates = self.candidates(route, now, families)
         return (
             self.reusable(conn)
             and not isinstance(candidates, Suspended)
             and any(ip == conn.ip for _, ip in candidates)
+            and (conn.verified or requirement(route.sts, conn.host) != VERIFY)
         )
 
     def reusable(self, conn: SmtpConnection) -> bool:
@@ -115,29 +126,26 @@ class Sender:
         port: int,
         last_one: bool,
         smarthost: Smarthost | None = None,
+        sts: Applied | None = None,
         source: Source | None = None,
         *,
         suspend: bool = True,
     ) -> SmtpConnection | Reply:
         """`last_one`: no other host is left to try (see `tries_next`); `smarthost`: the
-        relay's TLS and AUTH, for a relay destination; `source`: the pool's address to
-        bind and its EHLO name; `suspend` False: a failure does not suspend the host
-        (another of its addresses is tried next)."""
+        relay's TLS and AUTH, for a relay destination; `sts`: the recipient domain's
+        MTA-STS policy, for an MX destination; `source`: the pool's address to bind and
+        its EHLO name; `suspend` False: a failure does not suspend the host (another of
+        its addresses is tried next)."""
         client = self.client
         if source is not None:
             helo = source.helo or client.helo_name
             client = dataclasses.replace(client, helo_name=helo, source=source.address)
         try:
-            return await SmtpConnection.open(host, ip, port, client, smarthost=smarthost)
+            need = requirement(sts, host) if self._sts_tls is not None else AS_USUAL
+            if sts is None or need == AS_USUAL:
+                return await self._open(host, ip, port, smarthost, client)
+            return await self._open_sts(host, ip, port, sts, need, client)
         except ConnectFailed as failed:
-            required = smarthost is not None and smarthost.tls  # never in clear text then
-            if failed.reply.phase == "starttls" and client.tls == "opportunistic" and not required:
-                try:  # opportunistic TLS: a broken handshake falls back to clear text
-                    return await SmtpConnection.open(
-                        host, ip, port, client, use_tls=False, smarthost=smarthost
-                    )
-                except ConnectFailed as again:
-                    failed = again
             verdict = classify(failed.reply, self.rules)
             paced = last_one and verdict.kind == THROTTLING
             # Refused credentials are ours, not the host's: the destination's breaker (by
@@ -147,6 +155,41 @@ class Sender:
             if verdict.scope in ("host", "destination") and suspend and not paced and not ours:
                 self._suspend(host, port, ip, failed.reply)
             return failed.reply
+
+    async def _open(
+        self, host: str, ip: str, port: int, smarthost: Smarthost | None, client: ClientSettings
+    ) -> SmtpConnection:
+        try:
+            return await SmtpConnection.open(host, ip, port, client, smarthost=smarthost)
+        except ConnectFailed as failed:
+            required = smarthost is not None and smarthost.tls  # never in clear text then
+            if failed.reply.phase != "starttls" or client.tls != "opportunistic" or required:
+                raise
+            # Opportunistic TLS: a broken handshake falls back to clear text.
+            return await SmtpConnection.open(
+                host, ip, port, client, use_tls=False, smarthost=smarthost
+            )
+
+    async def _open_sts(
+        self, host: str, ip: str, port: int, sts: Applied, need: str, client: ClientSettings
+    ) -> SmtpConnection:
+        """TLS with a certificate valid for the MX name. Without it: enforce defers
+        (never clear text); testing logs the violation and delivers as usual."""
+        try:
+            conn = await SmtpConnection.open(host, ip, port, client, smarthost=self._sts_tls)
+        except ConnectFailed as failed:
+            reply = failed.reply
+            if reply.phase != "starttls":  # the host's failure, not a TLS one
+                raise
+            enforced = need == VERIFY
+            action = "deferred" if enforced else "delivered as usual"
+            mta_sts.violation(sts, host, reply.text, action, ip)
+            if not enforced:
+                return await self._open(host, ip, port, None, client)
+            why = f"{reply.text} (MTA-STS: {sts.domain} requires TLS with a valid certificate)"
+            raise ConnectFailed(msgspec.structs.replace(reply, text=why)) from None
+        conn.verified = True
+        return conn
 
     def tries_next(self, reply: Reply, last_one: bool) -> bool:
         """Whether a connect that failed with `reply` goes on to the next address. A

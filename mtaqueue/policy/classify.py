@@ -191,7 +191,7 @@ def classify(
                 scope=DESTINATION if rule.kind == THROTTLING else "",
                 suppress=rule.kind == MAILBOX and reply.phase == "rcpt",
             )
-    if reply.phase == "dns":
+    if reply.phase == "dns" and reply.network != "tls":  # tls: MTA-STS, no MX listed
         return _dns(reply)
     if reply.code == 0:
         return _network(reply)

@@ -22,6 +22,7 @@ import dns.nameserver
 import dns.resolver
 import msgspec
 
+from mtaqueue.policy.mta_sts import Applied
 from mtaqueue.routing.dnscache import DnsCache, Entry, Key
 from mtaqueue.routing.nexthop import NextHop, is_ip_address
 
@@ -39,12 +40,14 @@ class MxHost(msgspec.Struct, frozen=True):
 class Route(msgspec.Struct, frozen=True):
     hosts: tuple[MxHost, ...]  # in the order to try; addresses already ordered and capped
     port: int
+    sts: Applied | None = None  # the recipient domain's MTA-STS policy (delivery/mta_sts.py)
 
 
 class RouteFailure(msgspec.Struct, frozen=True):
     permanent: bool
     status: str  # enhanced status code: 5.1.10, 5.1.2, 5.4.4 or 4.4.3
     text: str
+    network: str = "dns"  # "tls": no MX host the recipient domain's MTA-STS policy lists
 
 
 class Resolver:
@@ -155,6 +158,20 @@ class Resolver:
         failure = next((f"{name}: {e.value}" for e in (a, aaaa) if e.kind == "failure"), None)
         return self._order(v4, v6), failure
 
+    async def txt(self, name: str) -> tuple[str, ...] | None:
+        """The name's TXT records, each one's strings joined; None: the lookup failed
+        (a temporary failure), () for NXDOMAIN or no records. Cached as the others."""
+        entry = await self._lookup(name, "TXT")
+        if entry.kind == "failure":
+            return None
+        return entry.value if entry.kind == "positive" else ()
+
+    async def addresses(self, name: str) -> tuple[str, ...]:
+        """The host's addresses in the configured order (empty when it has none or the
+        lookups failed): for the MTA-STS policy host (delivery/mta_sts.py)."""
+        addresses, _ = await self._addresses(name)
+        return addresses
+
     def _order(self, v4: tuple[str, ...], v6: tuple[str, ...]) -> tuple[str, ...]:
         if self._address_order == "ipv4-first":
             return v4 + v6
@@ -201,6 +218,8 @@ class Resolver:
                 (rd.preference, rd.exchange.to_text(omit_final_dot=True).lower())
                 for rd in answer.rrset
             )
+        elif rdtype == "TXT":
+            value = tuple(b"".join(rd.strings).decode("utf-8", "replace") for rd in answer.rrset)
         else:
             value = tuple(rd.address for rd in answer.rrset)
         return self.cache.put_positive(key, value, ttl, self._clock())

@@ -86,6 +86,7 @@ class SmtpConnection:
         self.host = host  # the MX name, for logs and DSNs' Remote-MTA
         self.ip = ip
         self.tls = tls
+        self.verified = False  # TLS with the certificate checked for `host` (MTA-STS)
         self.transactions = 0
         self.refusals = 0  # 4xx replies since it last delivered (the sender counts them)
         self.banner = ""

@@ -18,6 +18,7 @@ LOCK_FILE = "lock"
 EVENTS_DIR = "events"  # the event log and the endpoints' cursors (event_log.py)
 LEARNED_FILE = "learned.json"  # what destinations taught the shapers (statefile.py)
 EGRESS_FILE = "egress.json"  # sources out for a destination, IPv4-only destinations
+MTA_STS_FILE = "mta_sts.json"  # the MTA-STS policies cached (delivery/mta_sts.py)
 TMP_SUFFIX = ".tmp"
 
 
@@ -31,6 +32,7 @@ class SpoolLayout:
         self.lock = self.root / LOCK_FILE
         self.learned = self.root / LEARNED_FILE
         self.egress = self.root / EGRESS_FILE
+        self.mta_sts = self.root / MTA_STS_FILE
 
     def message_dir(self, queue_id: str) -> Path:
         return self.messages / queue_id[6] / queue_id[7:9]
