@@ -6,6 +6,7 @@ the ctl print it as is and exit.
 """
 
 import ipaddress
+import itertools
 import math
 import os
 import re
@@ -367,6 +368,9 @@ class SourceConfig(_Table):
 
     address: str
     helo: str = ""  # "" = delivery.helo_name
+    # A new address's warm-up: messages per destination per day, a step a day (day 1 the
+    # first); past the list no limit. [] = warm already.
+    warmup: list[int] = []
 
 
 class PoolConfig(_Table):
@@ -704,6 +708,9 @@ def _validate_pool(path: str, pool: PoolConfig) -> None:
         if address in seen:
             raise ConfigError(f"{path}.sources[{i}]: {address} is named twice")
         seen.add(address)
+        steps = [] if isinstance(source, str) else source.warmup
+        if any(n <= 0 for n in steps) or any(a >= b for a, b in itertools.pairwise(steps)):
+            raise ConfigError(f"{path}.sources[{i}].warmup: use increasing numbers above 0")
     if pool.blocklist_hold <= 0:
         raise ConfigError(f"{path}.blocklist_hold: must be more than 0s")
 

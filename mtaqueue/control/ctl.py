@@ -307,6 +307,16 @@ def _per_minute(rate: float) -> str:
     return f"{round(rate, 1):g}/min" if rate else "unlimited"
 
 
+def _warmup(w: dict) -> str:
+    if w["allowance"] is None:
+        return f"done after {w['steps']} steps (no limit), sent today {w['sent_today']}"
+    held = f", held (deferral rate {w['last_rate']:.0%})" if w["held"] else ""
+    return (
+        f"step {w['step']}/{w['steps']}{held}: sent today {w['sent_today']}"
+        f" of {w['allowance']}, deferred {w['deferred_today']}"
+    )
+
+
 def _domains_show(reply: Reply, out: TextIO) -> None:
     for d in reply:
         out.write(f"{d['destination']}  ({', '.join(d.get('domains', []))})\n")
@@ -319,6 +329,8 @@ def _domains_show(reply: Reply, out: TextIO) -> None:
             out.write(f"  excluded    until {until} (a blocklist reply; the pool's others go on)\n")
         if d.get("ipv4_only"):
             out.write("  families    IPv4 only (it refused our IPv6)\n")
+        if d.get("warmup"):
+            out.write(f"  warm-up     {_warmup(d['warmup'])}\n")
         out.write(f"  queued      {_counts(d.get('queued'))}   (messages ready to go)\n")
         out.write(f"  deferred    {_counts(d.get('deferred'))}   (messages waiting to retry)\n")
         if not d.get("routed", True):

@@ -13,7 +13,9 @@ source pool (routing/pools.py) is queued at one of the pool's sources (policy/eg
 choice): each (source, destination) is a destination of its own. A source that draws a
 blocklist reply leaves that destination's share of the pool, its waiting mail and the
 refused recipients going to the others at once; a site that refuses our IPv6 gets IPv4
-from then on. Mail that waits for pacing is not charged an attempt.
+from then on. A source warming up (policy/warmup.py) takes a destination's mail up to
+the day's allowance; over it, mail goes to the pool's others or waits for the next day.
+Mail that waits for pacing or warm-up is not charged an attempt.
 """
 
 from __future__ import annotations
@@ -43,11 +45,11 @@ from ..model import (
     with_hold,
     without_hold,
 )
-from ..policy import rate_learner
+from ..policy import rate_learner, warmup
 from ..policy.backoff import RetryPolicy, restart_due
 from ..policy.breaker import CLOSED
 from ..policy.buckets import TokenBucket
-from ..policy.classify import AUTH, BLOCKLIST, IPV6, TLS, compile_rules
+from ..policy.classify import AUTH, BLOCKLIST, DELIVERED, IPV6, TLS, TRANSIENT, compile_rules
 from ..policy.egress import EgressState
 from ..policy.fairness import class_order
 from ..policy.hosts import HostSuspensions
@@ -672,6 +674,7 @@ class DeliveryManager:
             destination.domains.update(domains)
             destination.waiting.add(item.message_id)
             self._core.enqueue(now, key, item, item.klass, item.tenant, run=False)
+        self._log_ramps()
 
     def _source_for(self, pool: Pool, base: str, route: Route, now: float) -> Source | None:
         families = self.egress.families(base, _addresses(route), now)
@@ -690,6 +693,13 @@ class DeliveryManager:
         or none is of its families (a failed attempt: the operator's pool or its DNS)."""
         families = self.egress.families(base, _addresses(item.route), now)
         back = self.egress.usable_after(pool.sources, base, families, now)
+        if self.egress.warming(pool.sources, base, families, now):
+            # Always uncharged: the schedule ends, and the wait is the point of warming.
+            until = min(warmup.wake(now, self.rng), back or float("inf"))
+            log.info("warmup_wait", id=item.message_id, destination=base, until=until)
+            self._unbusy(item.message_id, item.indexes)
+            self._schedule(item.message_id, until)
+            return
         if back is not None and self._uncharged_wait(item.message_id):
             self._unbusy(item.message_id, item.indexes)
             self._schedule(item.message_id, back)
@@ -1032,6 +1042,7 @@ class DeliveryManager:
         uncharged (policy/settle.py `throttle_refused`), behind the cool-down that the
         core's next event starts (the caller reports the replies to it next): whether any
         did."""
+        self._count_warmup(destination, results, now)
         refusals = self._refusals.get(item.message_id, 0)
         back, results = throttle_refused(results, refusals)
         again, results, moved = self._refused_egress(destination, item, results, now)
@@ -1062,6 +1073,26 @@ class DeliveryManager:
             again = WorkItem(item.message_id, indexes, item.route, item.klass, item.tenant)
             self._core.enqueue(now, destination.key, again, item.klass, item.tenant, run=False)
         return bool(back or again or moved)
+
+    def _count_warmup(self, destination: Destination, results: list[Result], now: float) -> None:
+        """A warming source's message to its destination, for the day's allowance (accepted
+        for at least one recipient) or for its deferral rate (deferred, none accepted)."""
+        source = destination.source
+        if source is None or not source.warmup:
+            return
+        outcomes = {r.verdict.outcome for r in results}
+        if DELIVERED in outcomes or TRANSIENT in outcomes:
+            self.egress.warmup.record(destination.base, source, now, DELIVERED in outcomes)
+        self._log_ramps()
+
+    def _log_ramps(self) -> None:
+        """Log the warm-up day ends that the policy came across."""
+        for step in self.egress.warmup.drain():
+            fields = msgspec.structs.asdict(step)
+            held = fields.pop("held")
+            (log.warning if held else log.info)(
+                "warmup_held" if held else "warmup_advanced", **fields
+            )
 
     def _families(self, destination: Destination, route: Route, now: float) -> set[int]:
         """The address families a connection of `destination` may use: its source's, or

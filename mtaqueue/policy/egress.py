@@ -6,10 +6,12 @@
 - A source that drew a blocklist reply ("listed at Spamhaus", "blocked using ...") from a
   destination is out for that destination until its hold ends; the pool's other sources
   carry on, and other destinations still get it.
+- A source warming up (policy/warmup.py) is not chosen for a destination once its mail
+  there (sent today plus waiting or on its way) reaches the day's allowance.
 - A destination that refuses IPv6 senders (Gmail's "550-5.7.1 ... IPv6 ... PTR") gets IPv4
   from then on, for IPV4_HOLD after the last such refusal.
 
-Destinations are named by their key without a source ("base"). Both kinds of state survive
+Destinations are named by their key without a source ("base"). All this state survives
 restarts (`encode`/`decode`, saved by the delivery manager); expired entries are dropped.
 """
 
@@ -21,6 +23,7 @@ from collections.abc import Callable, Collection, Iterable
 import msgspec
 
 from ..routing.pools import Source
+from .warmup import Ramp, Warmups
 
 IPV4_HOLD = 30 * 86400.0  # a PTR/SPF fix on our side is rare: ask again after a month
 
@@ -28,6 +31,7 @@ IPV4_HOLD = 30 * 86400.0  # a PTR/SPF fix on our side is rare: ask again after a
 class _Saved(msgspec.Struct):
     excluded: dict[str, float] = {}  # "base@address" -> until
     ipv4_only: dict[str, float] = {}  # base -> until
+    warmup: dict[str, Ramp] = {}  # "base@address" -> its ramp (kept once warm: it stays so)
     version: int = 1
 
 
@@ -36,6 +40,7 @@ class EgressState:
         self._excluded: dict[tuple[str, str], float] = {}
         self._ipv4_only: dict[str, float] = {}
         self._turn = itertools.count()
+        self.warmup = Warmups()
 
     # -- sources ---------------------------------------------------------------------------
 
@@ -49,10 +54,15 @@ class EgressState:
     ) -> Source | None:
         """The source for mail to `base`, whose addresses are of `families`; None: no
         source of the pool may send there now (see `usable_after`)."""
-        usable = [s for s in sources if s.family in families and not self.excluded(base, s, now)]
+        open_ = [s for s in sources if s.family in families and not self.excluded(base, s, now)]
+        usable, loads = [], []
+        for source in open_:
+            n, room = load(source), self.warmup.left(base, source, now)
+            if room is None or n < room:
+                usable.append(source)
+                loads.append(n)
         if not usable:
             return None
-        loads = [load(s) for s in usable]
         least = [s for s, n in zip(usable, loads, strict=True) if n == min(loads)]
         return least[next(self._turn) % len(least)]
 
@@ -80,6 +90,13 @@ class EgressState:
         ]
         return min(ends) if ends else None
 
+    def warming(
+        self, sources: Iterable[Source], base: str, families: Collection[int], now: float
+    ) -> bool:
+        """After `choose` found none: whether a source of `families` is not excluded for
+        `base`, so that only its warm-up allowance for the day keeps it."""
+        return any(s.family in families and not self.excluded(base, s, now) for s in sources)
+
     # -- address families ------------------------------------------------------------------
 
     def families(self, base: str, addresses: Iterable[str], now: float) -> set[int]:
@@ -106,13 +123,15 @@ class EgressState:
         return {
             "source_excluded_until": until if until > now else None,
             "ipv4_only": self.ipv4_only(base, now),
-        }
+        } | self.warmup.snapshot(base, source, now)
 
     def encode(self, now: float) -> bytes:
         self._excluded = {k: t for k, t in self._excluded.items() if t > now}
         self._ipv4_only = {k: t for k, t in self._ipv4_only.items() if t > now}
         excluded = {f"{base}@{address}": t for (base, address), t in self._excluded.items()}
-        return msgspec.json.encode(_Saved(dict(sorted(excluded.items())), self._ipv4_only))
+        ramps = {f"{base}@{address}": r for (base, address), r in self.warmup.ramps.items()}
+        saved = _Saved(dict(sorted(excluded.items())), self._ipv4_only, dict(sorted(ramps.items())))
+        return msgspec.json.encode(saved)
 
     def restore(self, data: bytes) -> None:
         """Raises msgspec.DecodeError (a ValueError) for a damaged file."""
@@ -121,3 +140,6 @@ class EgressState:
             base, _, address = key.rpartition("@")
             self._excluded[(base, address)] = until
         self._ipv4_only.update(saved.ipv4_only)
+        for key, ramp in saved.warmup.items():
+            base, _, address = key.rpartition("@")
+            self.warmup.ramps[(base, address)] = ramp

@@ -4,7 +4,7 @@ picks the address, delivery.helo_name is said).
 
 Providers limit and judge per client IP, so a pooled source is part of the destination it
 sends to (delivery/destination.py `destination_key`): pacing, breaker and what was learned
-are per (source, destination). Which source of a pool takes a message is policy/sources.py's
+are per (source, destination). Which source of a pool takes a message is policy/egress.py's
 choice. Pure.
 """
 
@@ -20,6 +20,7 @@ from .. import config
 class Source(msgspec.Struct, frozen=True):
     address: str  # normalised ("::1", "127.0.0.11")
     helo: str = ""  # "" = delivery.helo_name
+    warmup: tuple[int, ...] = ()  # daily messages per destination, a step a day (policy/warmup.py)
 
     @property
     def family(self) -> int:
@@ -40,7 +41,7 @@ def family_of(address: str) -> int:
 def _source(entry: str | config.SourceConfig) -> Source:
     if isinstance(entry, str):
         return Source(str(ipaddress.ip_address(entry)))
-    return Source(str(ipaddress.ip_address(entry.address)), entry.helo)
+    return Source(str(ipaddress.ip_address(entry.address)), entry.helo, tuple(entry.warmup))
 
 
 class Pools:
