@@ -5,10 +5,13 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from e2e_helpers import BODY, FAST, MailNet, events, wait_for
 from smtp_peer import Context
+
+from mtaqueue.policy.warmup import day_of
 
 A, B = "127.0.0.11", "127.0.0.12"
 POOL = (
@@ -163,3 +166,49 @@ def test_a_dual_stack_pool_binds_each_family_to_its_own_source(start_daemon):
         assert six.messages and four.messages
         assert {m.client_ip for m in six.messages} == {"::1"}
         assert {m.client_ip for m in four.messages} == {"127.0.0.11"}
+
+
+# -- warm-up (policy/warmup.py) --------------------------------------------------------------
+
+
+def warming(schedule: str, *others: str) -> tuple[str, ...]:
+    sources = ", ".join((f'{{address = "{A}", warmup = {schedule}}}', *others))
+    return (f"pools.bulk.sources=[{sources}]", "classes.p2.pool=bulk")
+
+
+def test_a_warming_source_carries_its_allowance_and_a_warm_one_the_rest(net, start_daemon):
+    (peer,) = net.peers
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, *warming("[3, 30]", f'"{B}"'))
+    for i in range(10):
+        daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+    received = peer.wait_messages(10)
+    by_source = [m.client_ip for m in received]
+    assert 1 <= by_source.count(A) <= 3 and by_source.count(B) == 10 - by_source.count(A)
+    warm = destinations(daemon)[f"mx.example.org:{peer.port}@{A}"]["warmup"]
+    assert warm["step"] == 1 and warm["allowance"] == 3
+    assert warm["sent_today"] == by_source.count(A) and not warm["held"]
+
+
+def test_over_the_allowance_mail_waits_uncharged_and_a_restart_keeps_the_count(net, start_daemon):
+    (peer,) = net.peers
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, *warming("[2]"))
+    for i in range(5):
+        daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+    assert {m.client_ip for m in peer.wait_messages(2)} == {A}
+    waits = wait_for(lambda: (w := events(daemon, "warmup_wait")) and len(w) == 3 and w)
+    today = day_of(time.time())
+    assert all(day_of(w["until"]) == today + 1 for w in waits)  # early the next UTC day
+
+    def waiting() -> list[dict]:
+        return [r for m in daemon.messages().values() for r in m["recipients"]]  # delivered: gone
+
+    assert len(waiting()) == 3 and {r["attempts"] for r in waiting()} == {0}
+    key = f"mx.example.org:{peer.port}@{A}"
+    assert destinations(daemon)[key]["warmup"]["sent_today"] == 2
+    daemon.restart()
+    daemon.send("app@sender.test", ["late@example.org"], P2)
+    wait_for(lambda: len(waiting()) == 4)
+    time.sleep(1.0)  # let it be placed: it waits too
+    assert len(peer.messages) == 2 and {r["attempts"] for r in waiting()} == {0}
+    shown = daemon.ctl("domains")
+    assert "step 1/1: sent today 2 of 2" in shown.stdout

@@ -1449,10 +1449,29 @@ class DeliveryManager:
 
     async def view(self) -> list[dict]:
         """`mtaqueue-ctl domains`: every destination with waiting mail or state to show."""
-        view = DestinationsView(self.domains(), self._busy, self.relay_of)
+        live = self.domains()
+        view = DestinationsView(live, self._busy, self.relay_of)
         async for message in walk(self.spool.messages):
             view.add(message)
-        return view.entries()
+        return sorted(view.entries() + self._ramps_unrouted(live), key=lambda d: d["destination"])
+
+    def _ramps_unrouted(self, live: list[dict]) -> list[dict]:
+        """The warm-up of (source, destination)s with no live destination (after a
+        restart, say): a ramp's state matters while its mail waits for the next day."""
+        names = {d["destination"] for d in live}
+        sources = {s.address: s for p in self.pools.pools.values() for s in p.sources}
+        now = time.time()
+        entries = []
+        for base, address in list(self.egress.warmup.ramps):
+            source = sources.get(address)
+            if source is None or sourced(base, source) in names:
+                continue
+            entries.append(
+                {"destination": sourced(base, source), "routed": False, "source": address}
+                | {"domains": [], "queued": {}, "deferred": {}, "active": 0, "last_replies": []}
+                | self.egress.warmup.snapshot(base, source, now)
+            )
+        return entries
 
     def _unqueue_messages(self, ids: set[str]) -> None:
         """Take these messages' items out of the ready queues. That looks at every item
