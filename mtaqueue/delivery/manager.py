@@ -685,7 +685,13 @@ class DeliveryManager:
                 return 0
             return sum(self._core.waiting(key).values()) + self._core.slots(key)[0]
 
-        return self.egress.choose(pool.sources, base, families, load, now)
+        def placed(source: Source) -> int:
+            """Messages queued at (source, base) or on their way: still active. (Not its
+            connections: an idle one carries nothing, one opening carries an item.)"""
+            destination = self.destinations.get(sourced(base, source))
+            return 0 if destination is None else len(destination.waiting & self._busy.keys())
+
+        return self.egress.choose(pool.sources, base, families, load, now, placed)
 
     def _no_source(self, item: WorkItem, pool: Pool, base: str, now: float) -> None:
         """No source of the pool may send to `base`: every one of the families it has is

@@ -7,7 +7,7 @@
   destination is out for that destination until its hold ends; the pool's other sources
   carry on, and other destinations still get it.
 - A source warming up (policy/warmup.py) is not chosen for a destination once its mail
-  there (sent today plus waiting or on its way) reaches the day's allowance.
+  there (sent today plus queued or on its way) reaches the day's allowance.
 - A destination that refuses IPv6 senders (Gmail's "550-5.7.1 ... IPv6 ... PTR") gets IPv4
   from then on, for IPV4_HOLD after the last such refusal.
 
@@ -51,16 +51,18 @@ class EgressState:
         families: Collection[int],
         load: Callable[[Source], int],
         now: float,
+        placed: Callable[[Source], int] | None = None,
     ) -> Source | None:
         """The source for mail to `base`, whose addresses are of `families`; None: no
-        source of the pool may send there now (see `usable_after`)."""
+        source of the pool may send there now (see `usable_after`, `warming`). `placed`:
+        the messages queued or on their way at a source, for its warm-up (else `load`)."""
         open_ = [s for s in sources if s.family in families and not self.excluded(base, s, now)]
         usable, loads = [], []
         for source in open_:
-            n, room = load(source), self.warmup.left(base, source, now)
-            if room is None or n < room:
+            room = self.warmup.left(base, source, now)
+            if room is None or (placed or load)(source) < room:
                 usable.append(source)
-                loads.append(n)
+                loads.append(load(source))
         if not usable:
             return None
         least = [s for s, n in zip(usable, loads, strict=True) if n == min(loads)]
