@@ -35,7 +35,7 @@ def test_a_day_allows_its_step_then_the_next_day_the_next_step() -> None:
     assert warmups.left("mx.other.test", NEW, T0) == 2  # per destination
     assert warmups.left(MX, NEW, T0 + DAY) == 5
     (step,) = warmups.drain()
-    assert not step.held and step.step == 1 and step.allowance == 5 and step.sent == 2
+    assert not step.held and step.step == 2 and step.allowance == 5 and step.sent == 2
     send(warmups, T0 + DAY, 5)
     send(warmups, T0 + 2 * DAY, 1)
     assert warmups.left(MX, NEW, T0 + 3 * DAY) is None  # past the schedule: warm
@@ -48,7 +48,7 @@ def test_rising_deferrals_hold_the_step_and_a_quiet_day_changes_nothing() -> Non
     send(warmups, T0 + DAY, 4, deferred=1)  # 20% deferred: held at 5
     assert warmups.left(MX, NEW, T0 + 2 * DAY) == 5
     (_, held) = warmups.drain()
-    assert held.held and held.step == 1 and held.rate == pytest.approx(0.2)
+    assert held.held and held.step == 2 and held.rate == pytest.approx(0.2)
     assert held.previous_rate == 0.0 and held.deferred == 1
     # A day without mail: no step; the last rate stays the one to beat.
     assert warmups.left(MX, NEW, T0 + 3 * DAY) == 5 and not warmups.drain()
@@ -80,12 +80,12 @@ def test_a_day_never_carries_more_than_its_allowance_and_holds_never_advance(
     source = Source("192.0.2.13", warmup=tuple(schedule))
     egress = EgressState()
     accepted: dict[int, int] = {}
-    step = 0
+    step = 1
     for offset, ok in sorted(events):
         now = T0 + offset
         chosen = egress.choose((source,), MX, {4}, lambda _: 0, now)
         for change in egress.warmup.drain():
-            assert change.step == (step if change.held else min(step + 1, len(schedule)))
+            assert change.step == (step if change.held else min(step + 1, len(schedule) + 1))
             assert change.held == (change.rate >= 0.1 or change.rate > change.previous_rate + 0.05)
             step = change.step
         if chosen is None:
@@ -93,8 +93,8 @@ def test_a_day_never_carries_more_than_its_allowance_and_holds_never_advance(
         egress.warmup.record(MX, source, now, ok)
         day = warmup.day_of(now)
         accepted[day] = accepted.get(day, 0) + ok
-        if step < len(schedule):
-            assert accepted[day] <= schedule[step]
+        if step <= len(schedule):
+            assert accepted[day] <= schedule[step - 1]
 
 
 def test_the_ramps_survive_a_restart() -> None:

@@ -42,7 +42,7 @@ class Step(msgspec.Struct, frozen=True):
     base: str
     source: str
     held: bool
-    step: int  # the step from now on
+    step: int  # the step from now on, 1 = the schedule's first (as `snapshot` shows it)
     allowance: int | None  # its daily volume; None: warm
     sent: int
     deferred: int
@@ -114,7 +114,7 @@ class Warmups:
                     base=base,
                     source=source.address,
                     held=held,
-                    step=ramp.step,
+                    step=ramp.step + 1,
                     allowance=allowance(ramp, source.warmup),
                     sent=before.sent,
                     deferred=before.deferred,
