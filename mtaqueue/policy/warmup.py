@@ -94,7 +94,7 @@ def count(ramp: Ramp, accepted: bool) -> Ramp:
 
 class Warmups:
     """The ramps of the sources with a schedule, by (destination base, source address).
-    Day ends found on the way are kept in `steps` for the caller to log (`drain`)."""
+    Day ends found on the way wait for the caller to log them (`drain`)."""
 
     def __init__(self) -> None:
         self.ramps: dict[tuple[str, str], Ramp] = {}
