@@ -34,6 +34,8 @@ from .control.operations import operation_commands
 from .control.server import ControlServer
 from .control.suppression import suppression_commands
 from .delivery.manager import DeliveryManager
+from .dkim.keys import load_keys
+from .dkim.signer import Signer
 from .events import derive
 from .events.dispatch import Dispatcher
 from .http_server import HttpServer
@@ -478,6 +480,8 @@ def listener_settings(cfg: config.Config, hostname: str) -> ListenerSettings:
             classes=tuple(class_order({n: c.priority for n, c in cfg.classes.items()})),
             default_class=cfg.submission.default_class,
             tenant_header=cfg.submission.tenant_header.lower().encode(),
+            # The key files are read here: at start and at each SIGHUP (new keys then).
+            dkim=Signer(load_keys(cfg.dkim)) if cfg.dkim else None,
         ),
     )
 
