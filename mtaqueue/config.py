@@ -776,12 +776,15 @@ def _override_value(text: str) -> Any:
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, equals, text = item.partition("=")
     key = key.strip()
-    # A route's key is a domain, dots included; so is a DKIM key's (dkim.DOMAIN.KEY).
+    # A route's key is a domain, dots included; so is a DKIM table's.
     if key.startswith("routes."):
         path = ["routes", key[7:]]
-    elif key.startswith("dkim.") and key.count(".") >= 2:
+    elif key.startswith("dkim."):  # dkim.DOMAIN.selector=..., or dkim.DOMAIN=[{...}, ...]
         domain, _, name = key[5:].rpartition(".")
-        path = ["dkim", domain.strip('"'), name]
+        if name in DkimKeyConfig.__struct_fields__:
+            path = ["dkim", domain.strip('"'), name]
+        else:
+            path = ["dkim", key[5:].strip('"')]
     else:
         path = key.split(".")
     if not equals or len(path) < 2 or "" in path:

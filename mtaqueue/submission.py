@@ -1,8 +1,9 @@
 """Turn a received transaction into a queue record (pure; no I/O).
 
 Reads and removes our X-Mtaqueue-* submission headers, adds the trace header
-(Received) and the Message-ID/Date an application forgot, signs (DKIM) what has a
-key, and refuses with a clear 5xx what cannot be queued (unknown class, bad expiry).
+(Received) and the Message-ID/Date an application forgot, and refuses with a
+clear 5xx what cannot be queued (unknown class, bad expiry). Signing (DKIM) follows:
+`dkim.service`.
 """
 
 from __future__ import annotations
@@ -12,9 +13,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from email.utils import formatdate
 
-import msgspec
-
-from .dkim.signer import Signer
 from .header_fields import header_end, split_fields
 from .model import Message
 from .smtp.server_session import Stream, Submit
@@ -34,7 +32,6 @@ class SubmissionSettings:
     classes: tuple[str, ...]
     default_class: str
     tenant_header: bytes = b""  # lower-case header name, or b"" for none
-    dkim: Signer | None = None  # None: no [dkim."DOMAIN"] key at all
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +56,7 @@ def prepare(
     end = header_end(submit.content)
     body = submit.content[end:]  # from the empty line on
     message, header = prepare_header(submit, submit.content[:end], len(body), received, settings)
-    content = header + body
-    if settings.dkim is not None:  # signed once, here: every attempt sends these octets
-        signed = settings.dkim.sign(content, received.now)
-        if signed is not content:
-            return msgspec.structs.replace(message, size=len(signed)), signed
-    return message, content
+    return message, header + body
 
 
 def prepare_header(
@@ -75,8 +67,7 @@ def prepare_header(
     settings: SubmissionSettings,
 ) -> tuple[Message, bytes]:
     """The queue record and the header to store, from the header as received (its lines
-    up to the empty line), for a body of `body_size` octets; or raise Refused. Unsigned:
-    a message stored as it arrives is signed by `settings.dkim.stream()`."""
+    up to the empty line), for a body of `body_size` octets; or raise Refused."""
     fields = split_fields(header)
     ours: dict[bytes, str] = {}
     kept: list[bytes] = []

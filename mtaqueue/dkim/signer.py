@@ -33,13 +33,19 @@ class Signer:
             domain = domain.partition(".")[2]
         return ()
 
-    def sign(self, content: bytes, now: float) -> bytes:
-        """The content to store: signed, or as it is if no key signs it."""
+    def signs(self, content: bytes) -> bool:
+        """Whether a key signs this message (cheap: the daemon asks before sending it to
+        be signed)."""
+        return bool(self.keys) and bool(self.keys_for(split_fields(content[: header_end(content)])))
+
+    def sign(self, content: bytes, now: float) -> tuple[bytes, bytes] | None:
+        """The signature fields and the content they sign (converted if some hop would
+        have changed it), to be stored one after the other; None if no key signs it."""
         end = header_end(content)
         fields = split_fields(content[:end])
         keys = self.keys_for(fields)
         if not keys:
-            return content
+            return None
         safe = _seven_bit_safe(content)
         if safe is not content:
             content, end = safe, header_end(safe)
@@ -47,7 +53,8 @@ class Signer:
         body = RelaxedBody()
         body.feed(content[end + 2 :])  # after the blank line ("" when there is none)
         digest = body.digest()
-        return b"".join(signature_field(k, fields, digest, int(now)) for k in keys) + content
+        signatures = b"".join(signature_field(k, fields, digest, int(now)) for k in keys)
+        return signatures, content
 
     def stream(self, header: bytes, now: float) -> StreamSigning | None:
         """For a message whose `header` (as stored, up to the blank line) is stored before

@@ -1,0 +1,230 @@
+"""Signing on the acceptance path, off the event loop.
+
+`SigningService.sign()` takes a prepared message (steering fields gone, Received added)
+and gives back the record and content to store: signed if a key signs it. The work is
+done by the signer process (`worker`), a batch at a time while the daemon gathers the
+next, as the spool writer writes. While that process is not running (starting, after a
+crash, after a reload that changed the keys) messages are signed in the event loop:
+slower, never unsigned, never refused for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from ..child_process import abandon, start_child
+from ..framing import frame, split_frames
+from ..logs import get_logger
+from ..model import Message
+from .signer import Signer
+from .worker import Answer, Tables
+
+log = get_logger("dkim")
+
+START_TIMEOUT = 10.0
+MAX_BATCH = 256
+BACKOFF_FIRST, BACKOFF_MAX = 1.0, 60.0
+STABLE = 30.0  # a signer that lived this long is restarted at once when it dies
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Answer)
+
+
+class SigningError(Exception):
+    """The message could not be signed (a bug): it is refused with a 451."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    message: Message
+    content: bytes
+    future: asyncio.Future
+
+
+class SigningService:
+    def __init__(self, signer: Signer, tables: Tables) -> None:
+        self.signer = signer  # also signs streamed messages (listener) and inline
+        self._tables = tables
+        self._queue: list[_Pending] = []
+        self._inflight: list[_Pending] | None = None
+        self._link: _SignerLink | None = None
+        self._process: asyncio.subprocess.Process | None = None
+        self._task: asyncio.Task | None = None
+        self._backoff = 0.0
+        self._closed = False
+
+    def start(self) -> None:
+        """Start the signer process in the background, if there are keys at all; mail is
+        signed inline meanwhile."""
+        if self._tables and (self._task is None or self._task.done()):
+            self._task = asyncio.ensure_future(self._keep_running())
+
+    def reconfigure(self, signer: Signer, tables: Tables) -> None:
+        """New keys (SIGHUP): inline at once, in a new signer process as soon as it runs."""
+        self.signer = signer
+        if tables != self._tables:
+            self._tables = tables
+            if self._link is not None and self._link.transport is not None:
+                self._link.expected = True
+                self._link.transport.close()  # its work is done inline; a new one starts
+            self.start()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+        link, process = self._link, self._process
+        self._lost(link)  # what it still had is signed inline now
+        if process is not None:
+            await abandon(process, link.transport if link else None)
+
+    def sign(self, message: Message, content: bytes) -> asyncio.Future | None:
+        """A future of (record, content) to store, or None if no key signs the message.
+        The future fails with SigningError only for a bug."""
+        if not self.signer.signs(content):
+            return None
+        pending = _Pending(message, content, asyncio.get_running_loop().create_future())
+        if self._link is None:
+            self._inline(pending)
+        else:
+            self._queue.append(pending)
+            self._send()
+        return pending.future
+
+    # -- the work ----------------------------------------------------------------------
+
+    def _inline(self, pending: _Pending) -> None:
+        try:
+            signed = self.signer.sign(pending.content, pending.message.created)
+        except Exception as exc:
+            self._failed(pending, f"signing failed: {exc!r}")
+            return
+        if signed is None:  # the keys changed since sign() was called: unsigned now
+            self._resolve(pending, b"", pending.content)
+        else:
+            self._resolve(pending, *signed)
+
+    def _resolve(self, pending: _Pending, fields: bytes, content: bytes) -> None:
+        if pending.future.done():
+            return
+        stored = fields + content
+        message = msgspec.structs.replace(pending.message, size=len(stored))
+        pending.future.set_result((message, stored))
+
+    def _failed(self, pending: _Pending, error: str) -> None:
+        log.error("dkim_signing_failed", id=pending.message.id, error=error)
+        if not pending.future.done():
+            pending.future.set_exception(SigningError(error))
+
+    def _send(self) -> None:
+        link = self._link
+        if self._inflight is not None or not self._queue or link is None:
+            return
+        if link.transport is None:
+            return
+        batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+        self._inflight = batch
+        work = [(p.content, p.message.created) for p in batch]
+        link.transport.write(frame(_encoder.encode(work)))
+
+    def _answered(self, payload: bytes) -> None:
+        batch, self._inflight = self._inflight or [], None
+        try:
+            answer = _decoder.decode(payload)
+        except msgspec.DecodeError:
+            answer = []
+        if len(answer) != len(batch):  # cannot happen; if it does, no mail pays for it
+            log.error("dkim_signer_answer_unreadable", messages=len(batch))
+            answer = [(b"", b"", "")] * len(batch)
+        for pending, (fields, converted, error) in zip(batch, answer, strict=True):
+            if error:
+                self._failed(pending, error)
+            elif not fields:  # the signer had other keys (a reload): sign with ours
+                self._inline(pending)
+            else:
+                self._resolve(pending, fields, converted or pending.content)
+        self._send()
+
+    # -- the process -------------------------------------------------------------------
+
+    def _lost(self, link: _SignerLink | None) -> None:
+        if link is None or link is not self._link:
+            return
+        self._link = None
+        pending, self._queue = (self._inflight or []) + self._queue, []
+        self._inflight = None
+        for item in pending:
+            self._inline(item)
+        if not link.expected and not self._closed:
+            log.error("dkim_signer_lost", signed_inline=len(pending))
+        link.gone.set_result(None)
+
+    async def _keep_running(self) -> None:
+        while not self._closed and self._tables:
+            await asyncio.sleep(self._backoff)
+            link = _SignerLink(self)
+            try:
+                self._process = await start_child("mtaqueue.dkim.worker", [], link)
+            except OSError as exc:
+                log.error("dkim_signer_start_failed", error=str(exc))
+                self._backoff = self._longer_backoff()
+                continue
+            try:
+                assert link.transport is not None
+                link.transport.write(frame(_encoder.encode(self._tables)))
+                await asyncio.wait_for(link.ready, START_TIMEOUT)
+            except (TimeoutError, ConnectionError, RuntimeError) as exc:
+                log.error("dkim_signer_start_failed", error=str(exc))
+                await abandon(self._process, link.transport)
+                self._backoff = self._longer_backoff()
+                continue
+            started = time.monotonic()
+            self._link = link
+            self._send()
+            await link.gone
+            await self._process.wait()
+            stable = link.expected or time.monotonic() - started >= STABLE
+            self._backoff = 0.0 if stable else self._longer_backoff()
+
+    def _longer_backoff(self) -> float:
+        return min(max(2 * self._backoff, BACKOFF_FIRST), BACKOFF_MAX)
+
+
+class _SignerLink(asyncio.Protocol):
+    """The daemon's end of the socketpair to the signer process."""
+
+    def __init__(self, service: SigningService) -> None:
+        self.service = service
+        self.transport: asyncio.Transport | None = None
+        loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future = loop.create_future()
+        self.gone: asyncio.Future = loop.create_future()
+        self.expected = False  # closed by us (a reload), not a crash
+        self._buffer = bytearray()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        for payload in split_frames(self._buffer):
+            if not self.ready.done():
+                if payload == b"ready":
+                    self.ready.set_result(None)
+                else:
+                    self.ready.set_exception(RuntimeError(payload.decode(errors="replace")))
+            else:
+                self.service._answered(payload)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError("the signer exited while starting"))
+        if self.service._link is self:
+            self.service._lost(self)
+        elif not self.gone.done():
+            self.gone.set_result(None)
