@@ -444,7 +444,7 @@ class Config(_Table):
     tenants: dict[str, TenantConfig] = {}
     webhooks: list[WebhookConfig] = []
     api: ApiConfig = msgspec.field(default_factory=ApiConfig)
-    # domain -> its keys: [dkim."example.com"] for one, [[dkim."example.com"]] for several
+    # domain (as written) -> its keys: [dkim."example.com"], or [[dkim."example.com"]] twice
     dkim: dict[str, list[DkimKeyConfig]] = {}
     revalidate: RevalidateConfig = msgspec.field(default_factory=RevalidateConfig)
 
@@ -590,7 +590,7 @@ def _build(raw: dict[str, Any]) -> Config:
         raw["routes"] = {d.lower(): _convert(h, str, f"routes.{d}") for d, h in routes.items()}
     dkim = raw.get("dkim", {})
     if isinstance(dkim, dict):
-        raw["dkim"] = {d.lower().rstrip("."): _dkim_keys(d, entry) for d, entry in dkim.items()}
+        raw["dkim"] = {d: _dkim_keys(d, entry) for d, entry in dkim.items()}
     return _convert(raw, Config)
 
 
@@ -744,9 +744,13 @@ _FIELD_NAME_RE = re.compile(r"[!-9;-~]+")  # RFC 5322 ftext
 
 def _validate_dkim(cfg: Config) -> None:
     """What can be checked without the key files (the daemon reads those: dkim/keys.py)."""
+    domains: set[str] = set()
     for domain, keys in cfg.dkim.items():
         if not _valid_host(domain) or ":" in domain or "." not in domain.strip("."):
             raise ConfigError(f"{dkim_path(domain)}: invalid domain")
+        if domain.lower().rstrip(".") in domains:
+            raise ConfigError(f"{dkim_path(domain)}: the domain has another [dkim] table too")
+        domains.add(domain.lower().rstrip("."))
         selectors = set()
         for i, key in enumerate(keys):
             path = dkim_path(domain, i if len(keys) > 1 else None)

@@ -34,10 +34,12 @@ class RelaxedBody:
 
     def feed(self, data: bytes) -> None:
         data = self._partial + data
-        cut = data.rfind(b"\r\n") + 2
+        cut = data.rfind(b"\r\n") + 2  # 1: no line ends here yet
+        if cut == 1:
+            self._partial = data
+            return
         self._partial = data[cut:]
-        if cut:
-            self._lines(_compress(data[:cut]).replace(b" \r\n", b"\r\n"))
+        self._lines(_compress(data[:cut]).replace(b" \r\n", b"\r\n"))
 
     def digest(self) -> bytes:
         """The body hash (bh=); the body ends here."""

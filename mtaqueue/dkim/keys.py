@@ -55,8 +55,8 @@ class SigningKey:
 
 
 def load_keys(tables: dict[str, list[DkimKeyConfig]]) -> dict[str, tuple[SigningKey, ...]]:
-    """Each domain's keys, in the order configured; ConfigError naming the key that cannot
-    be read or does not fit its algorithm."""
+    """Each (lower-case) domain's keys, in the order configured; ConfigError naming the
+    key that cannot be read or does not fit its algorithm."""
     keys: dict[str, tuple[SigningKey, ...]] = {}
     for domain, entries in tables.items():
         loaded = []
@@ -67,7 +67,7 @@ def load_keys(tables: dict[str, list[DkimKeyConfig]]) -> dict[str, tuple[Signing
             headers = [name.lower() for name in entry.headers or DKIM_HEADERS]
             loaded.append(
                 SigningKey(
-                    domain=domain,
+                    domain=domain.lower().rstrip("."),
                     selector=entry.selector,
                     algorithm=entry.algorithm,
                     private=private,
@@ -75,7 +75,7 @@ def load_keys(tables: dict[str, list[DkimKeyConfig]]) -> dict[str, tuple[Signing
                     key_file=entry.key_file,
                 )
             )
-        keys[domain] = tuple(loaded)
+        keys[domain.lower().rstrip(".")] = tuple(loaded)
     return keys
 
 

@@ -33,7 +33,7 @@ def signature_field(
     ).encode()
     # The field itself is hashed last, its b= empty and without its CRLF (RFC 6376 3.7).
     data = b"".join(map(relaxed_field, signed)) + relaxed_field(field)[:-2]
-    signature = base64.b64encode(_sign(key.private, hashlib.sha256(data).digest())).decode()
+    signature = base64.b64encode(sign_digest(key.private, hashlib.sha256(data).digest())).decode()
     return field + _fold_b64(signature, len(" b=")).encode() + b"\r\n"
 
 
@@ -49,13 +49,17 @@ def select(
     names: list[str] = []
     signed: list[bytes] = []
     for name in wanted:
-        present = by_name.get(name, [])
-        names += [name.decode()] * (len(present) + (name == b"from"))
-        signed += reversed(present)
+        present = by_name.get(name)
+        if present is not None:
+            names += [name.decode()] * len(present)
+            signed += reversed(present)
+        if name == b"from":
+            names.append("from")
     return names, signed
 
 
-def _sign(private: PrivateKey, digest: bytes) -> bytes:
+def sign_digest(private: PrivateKey, digest: bytes) -> bytes:
+    """The signature (b=) of the SHA-256 `digest` of the canonical header data."""
     if isinstance(private, ed25519.Ed25519PrivateKey):
         return private.sign(digest)
     return private.sign(digest, padding.PKCS1v15(), utils.Prehashed(hashes.SHA256()))

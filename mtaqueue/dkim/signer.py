@@ -12,6 +12,7 @@ stored before it was complete.
 from __future__ import annotations
 
 import email.utils
+import re
 
 from ..delivery.conversion import Prepared, prepare
 from ..header_fields import header_end, split_fields
@@ -90,13 +91,24 @@ class StreamSigning:
         )
 
 
+# The usual forms, "Name <user@domain>" and "user@domain", without the email package's
+# parser (ten times slower): a quote or a comment could hide a "<" or an "@".
+_SIMPLE_FROM = re.compile(
+    rb"[^\"()]*?<[^<>@]*@([^<>@\s]+)>\s*|\s*[^\s<>@\"()]+@([^\s<>@\"(),;]+)\s*"
+)
+
+
 def from_domain(fields: list[tuple[bytes, bytes]]) -> str:
     """The lower-case domain of the first From address, "" if there is none."""
     raw = next((raw for name, raw in fields if name == b"from"), None)
     if raw is None:
         return ""
-    value = raw.partition(b":")[2].replace(b"\r\n", b"").decode("utf-8", "replace")
-    for _, address in email.utils.getaddresses([value]):
+    value = raw.partition(b":")[2].replace(b"\r\n", b"")
+    simple = _SIMPLE_FROM.fullmatch(value)
+    if simple is not None:
+        domain = (simple[1] or simple[2]).decode("utf-8", "replace")
+        return domain.lower().rstrip(".")
+    for _, address in email.utils.getaddresses([value.decode("utf-8", "replace")]):
         if "@" in address:
             return address.rpartition("@")[2].strip().lower().rstrip(".")
     return ""
