@@ -184,6 +184,7 @@ class SigningService:
                 continue
             started = time.monotonic()
             self._link = link
+            log.info("dkim_signer_ready", pid=self._process.pid)
             self._send()
             await link.gone
             await self._process.wait()
