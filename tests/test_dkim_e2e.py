@@ -29,9 +29,7 @@ KEYS = {  # (domain, selector): algorithm
 
 
 def message(sender: str = "app@example.com", body: bytes = b"hello  world\r\n") -> bytes:
-    return (
-        f"From: App <{sender}>\r\nTo: bob@example.org\r\nSubject: signed\r\n\r\n".encode() + body
-    )
+    return f"From: App <{sender}>\r\nTo: bob@example.org\r\nSubject: signed\r\n\r\n".encode() + body
 
 
 def dkim_config(tmp_path, keys=KEYS, n: int = 0, extra: str = "") -> str:
