@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The spool filler must be the same code as the daemon it fills for (`python -m` runs the
 # tree's own), not whatever mtaqueue is installed: spool formats change.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import load_parser, stop_process, tree_pids, work_directory
+from common import dkim_key, load_parser, stop_process, tree_pids, work_directory
 from postfix_instance import PostfixInstance, postfix_available, smtp_source
 from synthetic_peer import SyntheticPeer
 
@@ -167,27 +167,6 @@ DKIM_SETUPS = {
     "ed25519-sha256": ("ed25519-sha256",),
     "both": ("rsa-sha256", "ed25519-sha256"),
 }
-
-
-def dkim_key(workdir: Path, algorithm: str) -> Path:
-    """A new private key file (PEM): RSA 2048 bits or Ed25519."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
-
-    path = workdir / f"dkim-{algorithm}.pem"
-    if not path.exists():
-        if algorithm == "rsa-sha256":
-            key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        else:
-            key = ed25519.Ed25519PrivateKey.generate()
-        path.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-    return path
 
 
 def signatures_in_spool(spool: Path) -> int:
