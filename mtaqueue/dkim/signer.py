@@ -34,10 +34,11 @@ class Signer:
             domain = domain.partition(".")[2]
         return ()
 
-    def signs(self, content: bytes) -> bool:
-        """Whether a key signs this message (cheap: the daemon asks before sending it to
-        be signed)."""
-        return bool(self.keys) and bool(self.keys_for(split_fields(content[: header_end(content)])))
+    def keys_for_content(self, content: bytes) -> tuple[SigningKey, ...]:
+        """The keys that sign this message (cheap: the daemon asks first)."""
+        if not self.keys:
+            return ()
+        return self.keys_for(split_fields(content[: header_end(content)]))
 
     def sign(self, content: bytes, now: float) -> tuple[bytes, bytes] | None:
         """The signature fields and the content they sign (converted if some hop would

@@ -6,8 +6,10 @@ signature. So the daemon sends the content of each message to sign here, a batch
 time, and this process, on the other core, answers with the signature fields.
 
 The first frame holds the `[dkim]` tables, whose key files this process reads; it
-answers "ready" or "error:<why>". Each later frame is a batch of [content, time]; the
-answer gives, per message, [fields, converted content or b"", error or ""].
+answers "ready" or "error:<why>". Each later frame is one message, [content, time]; each
+is answered as soon as it is signed (a batch answered at its end would keep the first
+message of the batch waiting for the last), with [fields, converted content or b"",
+error or ""].
 """
 
 from __future__ import annotations
@@ -26,24 +28,20 @@ from .keys import load_keys
 from .signer import Signer
 
 Tables = dict[str, list[DkimKeyConfig]]
-Batch = list[tuple[bytes, float]]
-Answer = list[tuple[bytes, bytes, str]]
+Work = tuple[bytes, float]
+Answer = tuple[bytes, bytes, str]
 
 
-def sign_batch(signer: Signer, batch: Batch) -> Answer:
-    answer = []
-    for content, now in batch:
-        try:
-            signed = signer.sign(content, now)
-        except Exception as exc:  # a bug fails its message, not the others
-            answer.append((b"", b"", f"signing failed: {exc!r}"))
-            continue
-        if signed is None:  # the daemon asked only for mail that a key signs
-            answer.append((b"", b"", ""))
-        else:
-            fields, stored = signed
-            answer.append((fields, b"" if stored is content else stored, ""))
-    return answer
+def sign_one(signer: Signer, work: Work) -> Answer:
+    content, now = work
+    try:
+        signed = signer.sign(content, now)
+    except Exception as exc:  # a bug fails its message, not the others
+        return b"", b"", f"signing failed: {exc!r}"
+    if signed is None:  # the daemon asked only for mail that a key signs
+        return b"", b"", ""
+    fields, stored = signed
+    return fields, b"" if stored is content else stored, ""
 
 
 def _frames(sock: socket.socket) -> Iterator[bytes]:
@@ -63,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=args.fd)
     frames = _frames(sock)
     encoder = msgspec.msgpack.Encoder()
-    decoder = msgspec.msgpack.Decoder(Batch)
+    decoder = msgspec.msgpack.Decoder(Work)
     try:
         tables = msgspec.msgpack.decode(next(frames), type=Tables)
         try:
@@ -73,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         sock.sendall(frame(b"ready"))
         for payload in frames:
-            sock.sendall(frame(encoder.encode(sign_batch(signer, decoder.decode(payload)))))
+            sock.sendall(frame(encoder.encode(sign_one(signer, decoder.decode(payload)))))
     except (ConnectionError, StopIteration):
         pass  # the daemon went away
     return 0
