@@ -150,6 +150,7 @@ class Daemon:
         )
         self.delivery.on_delivery = self.metrics.observe_delivery
         self.delivery.on_connect = self.metrics.observe_connect
+        self.delivery.sign_notice = self.signing.sign_now
         self.started = time.time()
         self._stop = asyncio.Event()
         self._stall_limit = 0.0  # seconds without a commit while work waits: unhealthy

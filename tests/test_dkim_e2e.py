@@ -99,6 +99,18 @@ def test_a_subdomain_is_signed_with_its_parents_key_and_a_domain_without_one_not
     assert b"DKIM-Signature" not in by_sender["app@nokey.test"]
 
 
+def test_a_dsn_from_our_hostname_is_signed_with_its_parent_domains_keys(world, start_daemon):
+    world.add_domain("nokey.test", "127.0.0.2", host="mx.example.org")  # where DSNs go
+    world.peer.on("rcpt", "550 5.1.1 <gone@example.org>: no such user", rcpt="gone@example.org")
+    daemon = start_daemon(
+        *world.overrides(), "listen.hostname=mx.example.com", config=dkim_config(world.tmp_path)
+    )
+    daemon.send("app@nokey.test", ["gone@example.org"], message("app@nokey.test"))
+    (dsn,) = wait_for(lambda: world.peer.messages, what="the DSN")
+    assert dsn.mail_from == "" and b"From: Mail Delivery System <MAILER-DAEMON@mx" in dsn.content
+    assert world.verify(dsn.content) == [True, True]
+
+
 def test_a_deferred_message_is_sent_again_as_it_was_signed_at_acceptance(world, start_daemon):
     world.peer.on("data_end", "451 4.3.0 Try again later", times=1)
     daemon = start_daemon(*world.overrides(), config=dkim_config(world.tmp_path))

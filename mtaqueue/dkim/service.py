@@ -98,6 +98,16 @@ class SigningService:
             link.transport.write(frame(_encoder.encode((content, message.created))))
         return pending.future
 
+    def sign_now(self, message: Message, content: bytes) -> tuple[Message, bytes]:
+        """Signed here and now, in the event loop: for the daemon's own rare mail (DSNs).
+        A bug is logged and leaves it unsigned: a notice must not be lost for it."""
+        try:
+            signed = self.signer.sign(content, message.created)
+        except Exception as exc:
+            log.error("dkim_signing_failed", id=message.id, error=f"signing failed: {exc!r}")
+            return message, content
+        return (message, content) if signed is None else _stored(message, *signed)
+
     # -- the work ----------------------------------------------------------------------
 
     def _inline(self, pending: _Pending) -> None:
@@ -112,11 +122,8 @@ class SigningService:
             self._resolve(pending, *signed)
 
     def _resolve(self, pending: _Pending, fields: bytes, content: bytes) -> None:
-        if pending.future.done():
-            return
-        stored = fields + content
-        message = msgspec.structs.replace(pending.message, size=len(stored))
-        pending.future.set_result((message, stored))
+        if not pending.future.done():
+            pending.future.set_result(_stored(pending.message, fields, content))
 
     def _failed(self, pending: _Pending, error: str) -> None:
         log.error("dkim_signing_failed", id=pending.message.id, error=error)
@@ -180,6 +187,12 @@ class SigningService:
 
     def _longer_backoff(self) -> float:
         return min(max(2 * self._backoff, BACKOFF_FIRST), BACKOFF_MAX)
+
+
+def _stored(message: Message, fields: bytes, content: bytes) -> tuple[Message, bytes]:
+    """The record and content to store: the signature fields first."""
+    stored = fields + content
+    return msgspec.structs.replace(message, size=len(stored)), stored
 
 
 class _SignerLink(asyncio.Protocol):
