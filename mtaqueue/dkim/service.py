@@ -51,6 +51,7 @@ class SigningService:
         self.signer = signer  # also signs streamed messages (listener) and inline
         self._tables = tables
         self._sent: deque[_Pending] = deque()  # with the signer, in the order sent
+        self._outgoing: list[bytes] = []  # frames of _sent still to write
         self._link: _SignerLink | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task | None = None
@@ -95,8 +96,16 @@ class SigningService:
             self._inline(pending)
         else:
             self._sent.append(pending)
-            link.transport.write(frame(_encoder.encode((content, message.created))))
+            self._outgoing.append(frame(_encoder.encode((content, message.created))))
+            if len(self._outgoing) == 1:  # one write for what this loop iteration asks
+                asyncio.get_running_loop().call_soon(self._flush)
         return pending.future
+
+    def _flush(self) -> None:
+        link, work = self._link, b"".join(self._outgoing)
+        self._outgoing.clear()
+        if work and link is not None and link.transport is not None:
+            link.transport.write(work)
 
     def sign_now(self, message: Message, content: bytes) -> tuple[Message, bytes]:
         """Signed here and now, in the event loop: for the daemon's own rare mail (DSNs).
@@ -152,11 +161,13 @@ class SigningService:
             return
         self._link = None
         pending, self._sent = self._sent, deque()
+        self._outgoing.clear()
         for item in pending:
             self._inline(item)
         if not link.expected and not self._closed:
             log.error("dkim_signer_lost", signed_inline=len(pending))
-        link.gone.set_result(None)
+        if not link.gone.done():  # cancelled with _keep_running, by close()
+            link.gone.set_result(None)
 
     async def _keep_running(self) -> None:
         while not self._closed and self._tables:
