@@ -12,6 +12,7 @@ reload that changed the keys): slower, never unsigned, never refused for it.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ log = get_logger("dkim")
 START_TIMEOUT = 10.0
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 60.0
 STABLE = 30.0  # a signer that lived this long is restarted at once when it dies
+PROCESSES = min(2, os.cpu_count() or 1)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Answer)
@@ -47,41 +49,39 @@ class _Pending:
 
 
 class SigningService:
-    def __init__(self, signer: Signer, tables: Tables) -> None:
+    def __init__(self, signer: Signer, tables: Tables, processes: int = PROCESSES) -> None:
         self.signer = signer  # also signs streamed messages (listener) and inline
         self._tables = tables
-        self._sent: deque[_Pending] = deque()  # with the signer, in the order sent
-        self._outgoing: list[bytes] = []  # frames of _sent still to write
-        self._link: _SignerLink | None = None
-        self._process: asyncio.subprocess.Process | None = None
-        self._task: asyncio.Task | None = None
-        self._backoff = 0.0
+        self._processes = processes
+        self._links: list[_SignerLink] = []  # the signer processes that are ready
+        self._tasks: list[asyncio.Task] = []
         self._closed = False
 
     def start(self) -> None:
-        """Start the signer process in the background, if there are keys at all; mail is
+        """Start the signer processes in the background, if there are keys at all; mail is
         signed inline meanwhile."""
-        if self._tables and (self._task is None or self._task.done()):
-            self._task = asyncio.ensure_future(self._keep_running())
+        if self._tables and all(task.done() for task in self._tasks):
+            tasks = [self._keep_running() for _ in range(self._processes)]
+            self._tasks = [asyncio.ensure_future(task) for task in tasks]
 
     def reconfigure(self, signer: Signer, tables: Tables) -> None:
-        """New keys (SIGHUP): inline at once, in a new signer process as soon as it runs."""
+        """New keys (SIGHUP): inline at once, in new signer processes as soon as they run."""
         self.signer = signer
         if tables != self._tables:
             self._tables = tables
-            if self._link is not None and self._link.transport is not None:
-                self._link.expected = True
-                self._link.transport.close()  # its work is done inline; a new one starts
+            for link in self._links:
+                link.expected = True
+                if link.transport is not None:
+                    link.transport.close()  # its work is done inline; a new one starts
             self.start()
 
     async def close(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-        link, process = self._link, self._process
-        self._lost(link)  # what it still had is signed inline now
-        if process is not None:
-            await abandon(process, link.transport if link else None)
+        for task in self._tasks:
+            task.cancel()
+        for link in list(self._links):
+            self._lost(link)  # what it still had is signed inline now
+            await abandon(link.process, link.transport)
 
     def sign(self, message: Message, content: bytes) -> asyncio.Future | None:
         """A future of (record, content) to store, or None if no key signs the message.
@@ -90,22 +90,13 @@ class SigningService:
         if not keys:
             return None
         pending = _Pending(message, content, asyncio.get_running_loop().create_future())
-        link = self._link
+        link = min(self._links, key=_backlog, default=None)
         costly = any(key.algorithm == "rsa-sha256" for key in keys)
         if link is None or link.transport is None or not costly:
             self._inline(pending)
         else:
-            self._sent.append(pending)
-            self._outgoing.append(frame(_encoder.encode((content, message.created))))
-            if len(self._outgoing) == 1:  # one write for what this loop iteration asks
-                asyncio.get_running_loop().call_soon(self._flush)
+            link.send(pending)
         return pending.future
-
-    def _flush(self) -> None:
-        link, work = self._link, b"".join(self._outgoing)
-        self._outgoing.clear()
-        if work and link is not None and link.transport is not None:
-            link.transport.write(work)
 
     def sign_now(self, message: Message, content: bytes) -> tuple[Message, bytes]:
         """Signed here and now, in the event loop: for the daemon's own rare mail (DSNs).
@@ -139,8 +130,7 @@ class SigningService:
         if not pending.future.done():
             pending.future.set_exception(SigningError(error))
 
-    def _answered(self, payload: bytes) -> None:
-        pending = self._sent.popleft()
+    def _answered(self, pending: _Pending, payload: bytes) -> None:
         try:
             fields, converted, error = _decoder.decode(payload)
         except msgspec.DecodeError:  # cannot happen; if it does, no mail pays for it
@@ -154,30 +144,32 @@ class SigningService:
         else:
             self._resolve(pending, fields, converted or pending.content)
 
-    # -- the process -------------------------------------------------------------------
+    # -- the processes -----------------------------------------------------------------
 
-    def _lost(self, link: _SignerLink | None) -> None:
-        if link is None or link is not self._link:
+    def _lost(self, link: _SignerLink) -> None:
+        if link not in self._links:
             return
-        self._link = None
-        pending, self._sent = self._sent, deque()
-        self._outgoing.clear()
+        self._links.remove(link)
+        pending, link.sent = link.sent, deque()
+        link.outgoing.clear()
         for item in pending:
             self._inline(item)
         if not link.expected and not self._closed:
-            log.error("dkim_signer_lost", signed_inline=len(pending))
+            log.error("dkim_signer_lost", pid=link.process.pid, signed_inline=len(pending))
         if not link.gone.done():  # cancelled with _keep_running, by close()
             link.gone.set_result(None)
 
     async def _keep_running(self) -> None:
+        """One signer process, started again whenever it ends while there are keys."""
+        backoff = 0.0
         while not self._closed and self._tables:
-            await asyncio.sleep(self._backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(max(2 * backoff, BACKOFF_FIRST), BACKOFF_MAX)  # if it fails
             link = _SignerLink(self)
             try:
-                self._process = await start_child("mtaqueue.dkim.worker", [], link)
+                link.process = await start_child("mtaqueue.dkim.worker", [], link)
             except OSError as exc:
                 log.error("dkim_signer_start_failed", error=str(exc))
-                self._backoff = self._longer_backoff()
                 continue
             try:
                 assert link.transport is not None
@@ -185,19 +177,19 @@ class SigningService:
                 await asyncio.wait_for(link.ready, START_TIMEOUT)
             except (TimeoutError, ConnectionError, RuntimeError) as exc:
                 log.error("dkim_signer_start_failed", error=str(exc))
-                await abandon(self._process, link.transport)
-                self._backoff = self._longer_backoff()
+                await abandon(link.process, link.transport)
                 continue
             started = time.monotonic()
-            self._link = link
-            log.info("dkim_signer_ready", pid=self._process.pid)
+            self._links.append(link)
+            log.info("dkim_signer_ready", pid=link.process.pid)
             await link.gone
-            await self._process.wait()
-            stable = link.expected or time.monotonic() - started >= STABLE
-            self._backoff = 0.0 if stable else self._longer_backoff()
+            await link.process.wait()
+            if link.expected or time.monotonic() - started >= STABLE:
+                backoff = 0.0
 
-    def _longer_backoff(self) -> float:
-        return min(max(2 * self._backoff, BACKOFF_FIRST), BACKOFF_MAX)
+
+def _backlog(link: _SignerLink) -> int:
+    return len(link.sent)
 
 
 def _stored(message: Message, fields: bytes, content: bytes) -> tuple[Message, bytes]:
@@ -207,16 +199,31 @@ def _stored(message: Message, fields: bytes, content: bytes) -> tuple[Message, b
 
 
 class _SignerLink(asyncio.Protocol):
-    """The daemon's end of the socketpair to the signer process."""
+    """The daemon's end of the socketpair to one signer process."""
 
     def __init__(self, service: SigningService) -> None:
         self.service = service
         self.transport: asyncio.Transport | None = None
+        self.process: asyncio.subprocess.Process
         loop = asyncio.get_running_loop()
         self.ready: asyncio.Future = loop.create_future()
         self.gone: asyncio.Future = loop.create_future()
         self.expected = False  # closed by us (a reload), not a crash
+        self.sent: deque[_Pending] = deque()  # asked of it, in order
+        self.outgoing: list[bytes] = []  # frames of `sent` still to write
         self._buffer = bytearray()
+
+    def send(self, pending: _Pending) -> None:
+        self.sent.append(pending)
+        self.outgoing.append(frame(_encoder.encode((pending.content, pending.message.created))))
+        if len(self.outgoing) == 1:  # one write for what this loop iteration asks
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        work = b"".join(self.outgoing)
+        self.outgoing.clear()
+        if work and self.transport is not None:
+            self.transport.write(work)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -229,14 +236,13 @@ class _SignerLink(asyncio.Protocol):
                     self.ready.set_result(None)
                 else:
                     self.ready.set_exception(RuntimeError(payload.decode(errors="replace")))
-            else:
-                self.service._answered(payload)
+            elif self.sent:
+                self.service._answered(self.sent.popleft(), payload)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         if not self.ready.done():
             self.ready.set_exception(ConnectionError("the signer exited while starting"))
-        if self.service._link is self:
-            self.service._lost(self)
-        elif not self.gone.done():
+        self.service._lost(self)
+        if not self.gone.done():
             self.gone.set_result(None)
