@@ -31,7 +31,9 @@ log = get_logger("dkim")
 START_TIMEOUT = 10.0
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 60.0
 STABLE = 30.0  # a signer that lived this long is restarted at once when it dies
-PROCESSES = min(2, os.cpu_count() or 1)
+# Signer processes: one a core beyond the two the daemon and its spool writer keep busy
+# (on two cores a second one cost more CPU than its parallel signing gained, see RESULTS).
+PROCESSES = max(1, (os.cpu_count() or 1) - 2)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Answer)
