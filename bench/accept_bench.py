@@ -3,12 +3,16 @@
     python bench/accept_bench.py [--messages 10000] [--sessions 20] [--size 2048]
                                  [--rounds 3] [--queued 100000 [300000 ...]]
                                  [--skip-throughput] [--rss-limit-mb 8000]
+                                 [--dkim rsa-sha256 ed25519-sha256 ...]
 
 1. Throughput: `smtp-source -s SESSIONS -m MESSAGES -l SIZE` against a private
    Postfix instance that accepts durably and defers delivery, and against
    mtaqueue, alternately for ROUNDS rounds (the disk of a shared VM drifts; the
    alternation keeps the comparison fair). Both spools live on the same file
-   system. Prints msgs/s per run, the medians and their ratio.
+   system. Prints msgs/s per run, the medians and their ratio. With `--dkim`, each
+   round also runs mtaqueue signing every message (smtp-source's From is at
+   example.com) with a key of each algorithm given (RSA: 2048 bits), or `both`: one
+   of each, two signatures per message; Postfix stays unsigned.
 2. Start-up, for each QUEUED size in turn: a spool holding that many 2 KiB messages to 50
    domains (written with the spool's own writer), then four starts of the daemon: the
    first and a restart (its writer merges the journal's two segments) with delivery off, each timed
@@ -44,13 +48,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The spool filler must be the same code as the daemon it fills for (`python -m` runs the
 # tree's own), not whatever mtaqueue is installed: spool formats change.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import load_parser, stop_process, tree_pids, work_directory
+from common import dkim_key, load_parser, stop_process, tree_pids, work_directory
 from postfix_instance import PostfixInstance, postfix_available, smtp_source
 from synthetic_peer import SyntheticPeer
 
 from mtaqueue.ids import IdGenerator
 from mtaqueue.model import Message, Recipient
 from mtaqueue.spool.layout import SpoolLayout
+from mtaqueue.spool.message_file import read_message_file
 from mtaqueue.spool.writer import Accept, SpoolWriter
 
 POSTFIX_ADDR = "127.0.0.1:2625"
@@ -139,8 +144,43 @@ class Mtaqueue:
         stop_process(self.proc, 60)
 
 
+def dkim_overrides(workdir: Path, setup: str) -> tuple[str, ...]:
+    """Overrides that sign example.com's mail with a new key of algorithm `setup`, or one
+    of each for "both" (as [[dkim."example.com"]] would)."""
+    algorithms = DKIM_SETUPS[setup]
+    if len(algorithms) == 1:
+        key = dkim_key(workdir, algorithms[0])
+        return (
+            "dkim.example.com.selector=bench",
+            f"dkim.example.com.key_file={key}",
+            f"dkim.example.com.algorithm={algorithms[0]}",
+        )
+    tables = ", ".join(
+        f'{{selector = "bench{i}", key_file = "{dkim_key(workdir, a)}", algorithm = "{a}"}}'
+        for i, a in enumerate(algorithms)
+    )
+    return (f"dkim.example.com=[{tables}]",)
+
+
+DKIM_SETUPS = {
+    "rsa-sha256": ("rsa-sha256",),
+    "ed25519-sha256": ("ed25519-sha256",),
+    "both": ("rsa-sha256", "ed25519-sha256"),
+}
+
+
+def signatures_in_spool(spool: Path) -> int:
+    """DKIM-Signature fields of one message stored by a signing run (not the probe)."""
+    for path in sorted((spool / "msg").glob("*/*/*")):
+        _, content = read_message_file(path)
+        if b"From: <bench@example.com>" in content:
+            return content.count(b"DKIM-Signature:")
+    return 0
+
+
 def throughput(args, workdir: Path) -> None:
-    pf_rates, mq_rates = [], []
+    pf_rates: list[float] = []
+    mq_rates: dict[str, list[float]] = {setup: [] for setup in ["unsigned", *args.dkim]}
     for round_ in range(args.rounds):
         if postfix_available():
             with PostfixInstance(
@@ -150,18 +190,27 @@ def throughput(args, workdir: Path) -> None:
                 assert pf.queue_count() >= args.messages, "postfix lost mail"
             pf_rates.append(args.messages / seconds)
             print(f"round {round_}: postfix  {pf_rates[-1]:8.0f} msgs/s", flush=True)
-        # Delivery off, as Postfix defers it: the accept path alone (and no bounce of
-        # the test domain turning into suppressions that refuse the rest).
-        mq = Mtaqueue(workdir / f"mq{round_}", 2626, "delivery.enabled=false")
-        mq.start()
-        try:
-            seconds = smtp_source("127.0.0.1:2626", args.sessions, args.messages, args.size)
-            assert mq.queued() == args.messages + 1, "mtaqueue lost mail"
-        finally:
-            mq.stop()
-        mq_rates.append(args.messages / seconds)
-        print(f"round {round_}: mtaqueue {mq_rates[-1]:8.0f} msgs/s", flush=True)
-    print_medians(mq_rates, pf_rates, "msgs/s")
+        for setup, rates in mq_rates.items():
+            signing = () if setup == "unsigned" else dkim_overrides(workdir, setup)
+            # Delivery off, as Postfix defers it: the accept path alone (and no bounce of
+            # the test domain turning into suppressions that refuse the rest).
+            spool = workdir / f"mq{round_}-{setup}"
+            mq = Mtaqueue(spool, 2626, "delivery.enabled=false", *signing)
+            mq.start()
+            try:
+                seconds = smtp_source("127.0.0.1:2626", args.sessions, args.messages, args.size)
+                assert mq.queued() == args.messages + 1, "mtaqueue lost mail"
+            finally:
+                mq.stop()
+            if signing:
+                expected = len(DKIM_SETUPS[setup])
+                assert signatures_in_spool(spool) == expected, f"{setup}: not signed"
+            shutil.rmtree(spool, ignore_errors=True)
+            rates.append(args.messages / seconds)
+            print(f"round {round_}: mtaqueue {setup:<14} {rates[-1]:8.0f} msgs/s", flush=True)
+    for setup, rates in mq_rates.items():
+        print(f"-- mtaqueue {setup}")
+        print_medians(rates, pf_rates, "msgs/s")
 
 
 def print_medians(mq_rates: list[float], pf_rates: list[float], unit: str) -> None:
@@ -436,6 +485,13 @@ def main() -> None:
         "--start-timeout", type=float, default=600, help="seconds a start may take (600)"
     )
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument(
+        "--dkim",
+        nargs="+",
+        default=[],
+        choices=sorted(DKIM_SETUPS),
+        help="also measure mtaqueue signing with these keys (both: one of each)",
+    )
     args = parser.parse_args()
     with work_directory("mtaqueue-bench-") as workdir:
         if not args.skip_throughput:

@@ -88,3 +88,25 @@ def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(1)
         return sock.connect_ex((host, port)) == 0
+
+
+def dkim_key(workdir: Path, algorithm: str) -> Path:
+    """A private key file (PEM) in `workdir`, made on first use: RSA 2048 bits for
+    "rsa-sha256", else Ed25519."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
+
+    path = workdir / f"dkim-{algorithm}.pem"
+    if not path.exists():
+        if algorithm == "rsa-sha256":
+            key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        else:
+            key = ed25519.Ed25519PrivateKey.generate()
+        pem = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        path.write_bytes(pem)
+        path.chmod(0o600)
+    return path

@@ -423,6 +423,37 @@ class RevalidateConfig(_Table):
     on_error: Literal["send", "hold"] = "send"
 
 
+# Signed when present, From once more than present (so that none can be added); RFC 8058
+# wants List-Unsubscribe and List-Unsubscribe-Post signed for one-click unsubscribing.
+DKIM_HEADERS = (
+    "from",
+    "sender",
+    "reply-to",
+    "subject",
+    "date",
+    "message-id",
+    "to",
+    "cc",
+    "mime-version",
+    "content-type",
+    "content-transfer-encoding",
+    "in-reply-to",
+    "references",
+    "list-id",
+    "list-unsubscribe",
+    "list-unsubscribe-post",
+)
+
+
+class DkimKeyConfig(_Table):
+    """A signing key of a [dkim."DOMAIN"] table (or of one entry of [[dkim."DOMAIN"]])."""
+
+    selector: str
+    key_file: str  # PEM private key: RSA (2048 bits is today's norm) or Ed25519
+    algorithm: Literal["rsa-sha256", "ed25519-sha256"] = "rsa-sha256"
+    headers: list[str] = []  # fields to sign, "from" among them; [] = DKIM_HEADERS
+
+
 # Always defined; a [classes.NAME] table is merged over the class's defaults here.
 DEFAULT_CLASSES = {
     "p0": ClassConfig(lifetime=_d("4h"), priority=0, weight=1),
@@ -452,6 +483,8 @@ class Config(_Table):
     pools: dict[str, PoolConfig] = {}
     webhooks: list[WebhookConfig] = []
     api: ApiConfig = msgspec.field(default_factory=ApiConfig)
+    # domain (as written) -> its keys: [dkim."example.com"], or [[dkim."example.com"]] twice
+    dkim: dict[str, list[DkimKeyConfig]] = {}
     revalidate: RevalidateConfig = msgspec.field(default_factory=RevalidateConfig)
 
 
@@ -554,6 +587,8 @@ def _explain(message: str, type_: Any, prefix: str) -> str:
     path = prefix + where
     if unknown := re.fullmatch(r"Object contains unknown field `(.*)`", problem):
         path, problem = f"{path}.{unknown[1]}", "unknown key"
+    elif missing := re.fullmatch(r"Object missing required field `(.*)`", problem):
+        path, problem = f"{path}.{missing[1]}", "required"
     elif enum := re.fullmatch(r"Invalid enum value (.*)", problem):
         for name in where.split(".")[1:]:
             type_ = {f.name: f.type for f in msgspec.structs.fields(type_)}[name]
@@ -595,7 +630,24 @@ def _build(raw: dict[str, Any]) -> Config:
     routes = raw.get("routes", {})
     if isinstance(routes, dict):
         raw["routes"] = {d.lower(): _convert(h, str, f"routes.{d}") for d, h in routes.items()}
+    dkim = raw.get("dkim", {})
+    if isinstance(dkim, dict):
+        raw["dkim"] = {d: _dkim_keys(d, entry) for d, entry in dkim.items()}
     return _convert(raw, Config)
+
+
+def _dkim_keys(domain: str, entry: Any) -> list[DkimKeyConfig]:
+    """A domain's keys from its table, or from its array of tables (several keys)."""
+    if isinstance(entry, dict):
+        return [_convert(entry, DkimKeyConfig, dkim_path(domain))]
+    if not isinstance(entry, list):
+        raise ConfigError(f"{dkim_path(domain)}: expected table, got {_kind(entry)}")
+    return [_convert(table, DkimKeyConfig, dkim_path(domain, i)) for i, table in enumerate(entry)]
+
+
+def dkim_path(domain: str, index: int | None = None) -> str:
+    """How messages name a domain's DKIM key: dkim."example.com" (or ...[1] of several)."""
+    return f'dkim."{domain}"' + ("" if index is None else f"[{index}]")
 
 
 def _check(path: str, check: Callable[..., object], *args: Any) -> None:
@@ -687,6 +739,7 @@ def _validate(cfg: Config) -> None:
     if cfg.revalidate.url:
         _check("revalidate.url", _check_url, cfg.revalidate.url)
     _validate_webhooks(cfg)
+    _validate_dkim(cfg)
     if cfg.api.address:
         _check("api.address", lambda a: split_host_port(a, min_port=0), cfg.api.address)
     if len(retry.then) != 2:
@@ -753,6 +806,36 @@ def _validate_webhooks(cfg: Config) -> None:
             raise ConfigError(f"{path}: timeout and max_age must be more than 0s")
 
 
+_SELECTOR_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_FIELD_NAME_RE = re.compile(r"[!-9;-~]+")  # RFC 5322 ftext
+
+
+def _validate_dkim(cfg: Config) -> None:
+    """What can be checked without the key files (the daemon reads those: dkim/keys.py)."""
+    domains: set[str] = set()
+    for domain, keys in cfg.dkim.items():
+        if not _valid_host(domain) or ":" in domain or "." not in domain.strip("."):
+            raise ConfigError(f"{dkim_path(domain)}: invalid domain")
+        if domain.lower().rstrip(".") in domains:
+            raise ConfigError(f"{dkim_path(domain)}: the domain has another [dkim] table too")
+        domains.add(domain.lower().rstrip("."))
+        selectors = set()
+        for i, key in enumerate(keys):
+            path = dkim_path(domain, i if len(keys) > 1 else None)
+            if not all(_SELECTOR_RE.fullmatch(label) for label in key.selector.split(".")):
+                raise ConfigError(f"{path}.selector: invalid selector {key.selector!r}")
+            if key.selector.lower() in selectors:
+                raise ConfigError(f"{path}.selector: {key.selector!r} names another key too")
+            selectors.add(key.selector.lower())
+            if not key.key_file:
+                raise ConfigError(f"{path}.key_file: must not be empty")
+            for name in key.headers:
+                if _FIELD_NAME_RE.fullmatch(name) is None:
+                    raise ConfigError(f"{path}.headers: {name!r} is not a header field name")
+            if key.headers and "from" not in (name.lower() for name in key.headers):
+                raise ConfigError(f"{path}.headers: must include From (RFC 6376 5.4)")
+
+
 def _override_value(text: str) -> Any:
     """A TOML value if `text` is one ("26", "true", '["1m"]'), else the text itself."""
     try:
@@ -765,8 +848,17 @@ def _override_value(text: str) -> Any:
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, equals, text = item.partition("=")
     key = key.strip()
-    # A route's key is a domain, dots included.
-    path = ["routes", key[7:]] if key.startswith("routes.") else key.split(".")
+    # A route's key is a domain, dots included; so is a DKIM table's.
+    if key.startswith("routes."):
+        path = ["routes", key[7:]]
+    elif key.startswith("dkim."):  # dkim.DOMAIN.selector=..., or dkim.DOMAIN=[{...}, ...]
+        domain, _, name = key[5:].rpartition(".")
+        if name in DkimKeyConfig.__struct_fields__:
+            path = ["dkim", domain.strip('"'), name]
+        else:
+            path = ["dkim", key[5:].strip('"')]
+    else:
+        path = key.split(".")
     if not equals or len(path) < 2 or "" in path:
         raise ConfigError(f"override {item!r}: expected SECTION.KEY=VALUE")
     table = raw

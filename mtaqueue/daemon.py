@@ -34,6 +34,9 @@ from .control.operations import operation_commands
 from .control.server import ControlServer
 from .control.suppression import suppression_commands
 from .delivery.manager import DeliveryManager
+from .dkim.keys import load_keys
+from .dkim.service import SigningService
+from .dkim.signer import Signer
 from .events import derive
 from .events.dispatch import Dispatcher
 from .http_server import HttpServer
@@ -112,6 +115,8 @@ class Daemon:
         self.tls = _tls_context(cfg)
         self.credentials = _credentials(cfg)
         self.api_tokens, self.api_token_warnings = _api_tokens(cfg)
+        # The key files are read here, and again at each SIGHUP (new keys then).
+        self.signing = SigningService(Signer(load_keys(cfg.dkim)), cfg.dkim)
         self.spool = Spool(
             cfg.spool.path,
             min_free=cfg.spool.min_free.bytes_for,
@@ -146,6 +151,7 @@ class Daemon:
         )
         self.delivery.on_delivery = self.metrics.observe_delivery
         self.delivery.on_connect = self.metrics.observe_connect
+        self.delivery.sign_notice = self.signing.sign_now
         self.started = time.time()
         self._stop = asyncio.Event()
         self._stall_limit = 0.0  # seconds without a commit while work waits: unhealthy
@@ -181,9 +187,11 @@ class Daemon:
             seconds=round(report.seconds, 3),
         )
         self.spool.last_event = event_log.last_seq(self.spool.layout.events)
+        self.signing.start()
         listener = Listener(
             self.listener_settings,
             self.spool,
+            self.signing,
             tls=self.tls,
             credentials=self.credentials,
             rcpt_check=self._suppressed,
@@ -212,6 +220,7 @@ class Daemon:
         except (OSError, RuntimeError, StorageError) as exc:
             log.error("startup_failed", error=str(exc))
             await listener.close(0)
+            await self.signing.close()
             for server in (metrics_server, api_server):
                 if server is not None:
                     await server.close()
@@ -251,6 +260,7 @@ class Daemon:
         if api_server is not None:
             closing.append(api_server.close())
         await asyncio.gather(*closing)
+        await self.signing.close()
         await self.events.close()
         sweep.cancel()
         free_space.cancel()
@@ -273,6 +283,7 @@ class Daemon:
             new = self._load()
             settings = listener_settings(new, self.hostname)
             tokens, token_warnings = _api_tokens(new)
+            signer = Signer(load_keys(new.dkim))
             self._configure_events(new)
             self.delivery.reconfigure(new)
         except (config.ConfigError, OSError) as exc:
@@ -291,6 +302,7 @@ class Daemon:
         for key, (old, value) in restart_only.items():
             if old != value:
                 log.warning("reload_needs_restart", key=key)
+        self.signing.reconfigure(signer, new.dkim)
         self.listener_settings = settings  # the API's, at its next request
         if hasattr(self, "listener"):
             self.listener.reconfigure(settings)
@@ -327,6 +339,7 @@ class Daemon:
         self.api = Api(
             ApiDeps(
                 spool=self.spool,
+                signing=self.signing,
                 delivery=self.delivery,
                 settings=lambda: self.listener_settings,
                 rcpt_check=self._suppressed,

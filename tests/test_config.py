@@ -11,6 +11,7 @@ from mtaqueue.config import (
     ClassConfig,
     Config,
     ConfigError,
+    DkimKeyConfig,
     FreeSpace,
     PoolConfig,
     SpoolConfig,
@@ -405,12 +406,19 @@ def test_shipped_config_names_every_key_and_only_real_keys() -> None:
     text = SHIPPED.read_text()
     raw = tomllib.loads(text)
     sections = {f.name: f.type for f in msgspec.structs.fields(Config)}
-    # [[webhooks]] has no empty form in TOML: the file shows a commented-out entry instead.
+    # [[webhooks]] has no empty form in TOML: the file shows a commented-out entry instead,
+    # as it does for a [dkim."DOMAIN"] table under its empty [dkim].
     assert raw.keys() == sections.keys() - {"webhooks"}
-    example = re.findall(r"^# (\w+) = ", text.split("# [[webhooks]]\n")[1], re.MULTILINE)
-    assert set(example) == {f.encode_name for f in msgspec.structs.fields(WebhookConfig)}
+    examples = {
+        WebhookConfig: text.split("# [[webhooks]]\n")[1],
+        DkimKeyConfig: text.split('# [dkim."example.com"]\n')[1].split("\n[dkim]\n")[0],
+    }
+    for table_type, example in examples.items():
+        names = re.findall(r"^# (\w+) = ", example, re.MULTILINE)
+        assert set(names) == {f.encode_name for f in msgspec.structs.fields(table_type)}
     for name, table in raw.items():
-        if name in ("routes", "tenants"):
+        if name in ("routes", "tenants", "dkim"):
+            assert table == {}, name
             continue
         if name == "pools":  # none by default: the file shows a commented-out one
             example = re.findall(r"^#   (\w+) = ", text.split("#   [pools.bulk]\n")[1], re.M)
@@ -465,3 +473,56 @@ def test_a_webhook_needs_a_secret_and_known_event_types(tmp_path: Path) -> None:
     cfg = load(str(path))
     assert cfg.webhooks[0].events == ["bounced"] and cfg.webhooks[0].batch_max == 100
     assert cfg.tenants["shop"].relayhost == "[127.0.0.1]:587"
+
+
+def test_a_dkim_domain_takes_one_key_table_or_an_array_of_them(tmp_path: Path) -> None:
+    one = load_text(tmp_path, '[dkim."Example.com"]\nselector = "s1"\nkey_file = "/k.pem"\n')
+    assert one.dkim == {"Example.com": [DkimKeyConfig(selector="s1", key_file="/k.pem")]}
+    two = load_text(
+        tmp_path,
+        '[[dkim."example.com"]]\nselector = "r"\nkey_file = "/r.pem"\n'
+        '[[dkim."example.com"]]\nselector = "e"\nkey_file = "/e.pem"\n'
+        'algorithm = "ed25519-sha256"\nheaders = ["From", "Subject"]\n',
+    )
+    assert [(k.selector, k.algorithm) for k in two.dkim["example.com"]] == [
+        ("r", "rsa-sha256"),
+        ("e", "ed25519-sha256"),
+    ]
+    # -o takes a domain's dotted name as routes.DOMAIN does.
+    cfg = load(None, ["dkim.example.com.selector=s1", "dkim.example.com.key_file=/k.pem"])
+    assert cfg.dkim == {"example.com": [DkimKeyConfig(selector="s1", key_file="/k.pem")]}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[dkim."example.com"]\nselector = "s1"\n', 'dkim."example.com".key_file: required'),
+        ('[dkim."example.com"]\nkey_file = "/k"\n', 'dkim."example.com".selector: required'),
+        ('[dkim."example.com"]\nselector = "a b"\nkey_file = "/k"\n', "invalid selector"),
+        ('[dkim."ex ample.com"]\nselector = "s"\nkey_file = "/k"\n', "invalid domain"),
+        ('[dkim."com"]\nselector = "s"\nkey_file = "/k"\n', 'dkim."com": invalid domain'),
+        (
+            '[dkim."example.com"]\nselector = "s"\nkey_file = "/k"\nalgorithm = "rsa"\n',
+            "dkim.\"example.com\".algorithm: invalid value 'rsa' (expected one of rsa-sha256,",
+        ),
+        (
+            '[dkim."example.com"]\nselector = "s"\nkey_file = "/k"\nheaders = ["Subject"]\n',
+            'dkim."example.com".headers: must include From',
+        ),
+        (
+            '[[dkim."example.com"]]\nselector = "s"\nkey_file = "/k"\n'
+            '[[dkim."example.com"]]\nselector = "S"\nkey_file = "/j"\n',
+            "dkim.\"example.com\"[1].selector: 'S' names another key too",
+        ),
+        (
+            '[dkim."example.com"]\nselector = "s"\nkey_file = "/k"\n'
+            '[dkim."Example.COM"]\nselector = "t"\nkey_file = "/k"\n',
+            'dkim."Example.COM": the domain has another [dkim] table too',
+        ),
+        ('[dkim]\n"example.com" = "s1"\n', 'dkim."example.com": expected table, got str'),
+    ],
+)
+def test_dkim_tables_are_checked_naming_the_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_text(tmp_path, text)
+    assert message in str(info.value) and str(info.value).startswith("dkim.")

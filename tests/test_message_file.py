@@ -15,6 +15,7 @@ from mtaqueue.model import Message, Recipient
 from mtaqueue.spool.message_file import (
     MAGIC,
     MAGIC_V1,
+    MAGIC_V2,
     CorruptMessageFile,
     MessageFileWriter,
     file_parts,
@@ -51,6 +52,16 @@ def write_v1(path: Path, message: Message = MESSAGE, content: bytes = CONTENT) -
     return path.read_bytes()
 
 
+def write_v2(path: Path, message: Message = MESSAGE, content: bytes = CONTENT) -> bytes:
+    """The second format (no head), as spools written before DKIM signing hold it."""
+    header = msgspec.msgpack.encode(message)
+    crcs = zlib.crc32(content), zlib.crc32(header)
+    path.write_bytes(struct.pack("<4sQIII", MAGIC_V2, len(content), len(header), *crcs))
+    with path.open("ab") as f:
+        f.write(content + header)
+    return path.read_bytes()
+
+
 def test_round_trip(tmp_path):
     path = tmp_path / MESSAGE.id
     write(path)
@@ -64,14 +75,16 @@ def test_empty_content(tmp_path):
     assert read_message_file(path) == (MESSAGE, b"")
 
 
-def test_files_of_the_first_format_are_still_read(tmp_path):
+@pytest.mark.parametrize("write_old", [write_v1, write_v2])
+def test_files_of_the_older_formats_are_still_read(tmp_path, write_old):
     path = tmp_path / MESSAGE.id
-    write_v1(path)
+    write_old(path)
     assert read_message_file(path) == (MESSAGE, CONTENT)
     assert read_content(path) == CONTENT
-    path.write_bytes(write_v1(path)[:-1])
-    with pytest.raises(CorruptMessageFile, match="content checksum"):
-        read_message_file(path)
+    if write_old is write_v1:  # its content is last, with no length of its own
+        path.write_bytes(write_v1(path)[:-1])
+        with pytest.raises(CorruptMessageFile, match="content checksum"):
+            read_message_file(path)
 
 
 def test_a_file_written_as_its_content_arrives_is_the_same_file(tmp_path):
@@ -82,6 +95,22 @@ def test_a_file_written_as_its_content_arrives_is_the_same_file(tmp_path):
     streamed.finish(MESSAGE)
     assert (tmp_path / "streamed.tmp").read_bytes() == write(tmp_path / MESSAGE.id)
     assert (tmp_path / "streamed.tmp").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_head_written_after_the_content_is_read_before_it(tmp_path):
+    path = tmp_path / "signed.tmp"
+    streamed = MessageFileWriter(path)
+    streamed.write(CONTENT)
+    head = b"DKIM-Signature: v=1; a=ed25519-sha256; b=...\r\n"
+    streamed.finish(MESSAGE, head)
+    assert read_message_file(path) == (MESSAGE, head + CONTENT)
+    assert read_content(path) == head + CONTENT
+    data = path.read_bytes()
+    in_head = struct.calcsize("<4sQIIII") + len(CONTENT) + 5
+    for bad in (data[:-1], _flip(in_head)(data)):
+        path.write_bytes(bad)
+        with pytest.raises(CorruptMessageFile):
+            read_content(path)
 
 
 def test_a_discarded_file_is_gone_and_takes_no_more_writes(tmp_path):
@@ -98,9 +127,8 @@ def test_a_discarded_file_is_gone_and_takes_no_more_writes(tmp_path):
 
 def _undecodable_header(data: bytes) -> bytes:
     header = b"\x93\x01\x02\x03"  # a msgpack array, but not a Message
-    prelude = struct.pack(
-        "<4sQIII", MAGIC, len(CONTENT), len(header), zlib.crc32(CONTENT), zlib.crc32(header)
-    )
+    crcs = zlib.crc32(CONTENT), zlib.crc32(header)
+    prelude = struct.pack("<4sQIIII", MAGIC, len(CONTENT), 0, len(header), *crcs)
     return prelude + CONTENT + header
 
 
@@ -111,7 +139,7 @@ def _flip(at: int):
 CORRUPTIONS = {
     "empty file": (lambda data: b"", "short file"),
     "short prelude": (lambda data: data[:10], "short file"),
-    "bad magic": (lambda data: b"MTQ3" + data[4:], "bad magic"),
+    "bad magic": (lambda data: b"MTQ4" + data[4:], "bad magic"),
     "content length past the end": (
         lambda data: data[:4] + struct.pack("<Q", 1 << 40) + data[12:],
         "do not add up",

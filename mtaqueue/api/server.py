@@ -25,6 +25,7 @@ from aiohttp import web
 from ..control import suppression
 from ..control.views import message_json
 from ..delivery.manager import DeliveryManager
+from ..dkim.service import SigningError, SigningService
 from ..logs import get_logger
 from ..model import FINAL_STATES, Message
 from ..smtp.listener import ListenerSettings
@@ -50,6 +51,7 @@ class ApiDeps:
     """What the API reads and acts on; the callables give the current (reloaded) values."""
 
     spool: Spool
+    signing: SigningService
     delivery: DeliveryManager
     settings: Callable[[], ListenerSettings]  # the listener's limits and submission settings
     rcpt_check: Callable[[str], str | None]  # the listener's RCPT refusal (suppressed)
@@ -144,11 +146,14 @@ class Api:
             offload, build, checked, caller.tenant, received, settings.session, settings.submission
         )
         try:
+            signing = self.deps.signing.sign(message, content)
+            if signing is not None:  # DKIM: signed once, before it is stored
+                message, content = await signing
             queue_id = await self._store(message, content, settings.session.stream_threshold)
         except StorageFull as exc:
             log.error("spool_full", error=str(exc), client=client)
             raise _storage_error(full=True) from None
-        except StorageError as exc:  # a write failed, or the writer is restarting
+        except (StorageError, SigningError) as exc:  # a write failed, the writer restarts...
             log.error("spool_write_failed", error=str(exc), client=client)
             raise _storage_error(full=False) from None
         if queue_id != message.id:

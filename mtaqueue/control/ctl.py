@@ -458,6 +458,33 @@ def _steer_show(reply: Reply, out: TextIO) -> None:
         out.write(f"applied to {result['destinations']} destination(s){until}\n")
 
 
+def _dkim_options(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check", help="the TXT record of each key of DOMAIN, and whether the DNS publishes it"
+    )
+    check.add_argument("domain")
+    check.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON Lines"
+    )
+
+
+def _dkim(args: argparse.Namespace, out: TextIO) -> None:
+    """From the config and the key files (no daemon): exit 1 unless every key is published."""
+    from mtaqueue.config import ConfigError
+    from mtaqueue.control import dkim_check
+
+    try:
+        rows = dkim_check.check_domain(_config(args), args.domain)
+    except (dkim_check.NoKey, ConfigError) as exc:  # ConfigError: an unreadable key file
+        raise Failure(str(exc)) from None
+    (_print_json if args.json else dkim_check.show)(rows, out)
+    out.flush()
+    bad = [row for row in rows if row["status"] != "ok"]
+    if bad:
+        raise Failure(f"dkim check: {bad[0]['status']}: {bad[0]['detail']}")
+
+
 def _top_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     parser.add_argument("--count", type=int, default=0, help="stop after N screens (0: never)")
@@ -572,6 +599,13 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         _forget_request,
         _steer_show,
     ),
+    "dkim": Subcommand(
+        "DKIM keys: check DOMAIN prints the DNS records to publish and checks the DNS",
+        _dkim_options,
+        None,
+        None,
+        _dkim,
+    ),
     "suppress": Subcommand(
         "the suppression list (list, add, remove)",
         _suppress_options,
@@ -604,11 +638,19 @@ def _parser() -> argparse.ArgumentParser:
 def _socket_path(args: argparse.Namespace) -> str:
     if args.socket:
         return args.socket
-    from mtaqueue import config  # only when needed: -s works without a readable config
+    from mtaqueue import config
 
-    path = args.config or config.default_path()  # the daemon's own default
+    return config.control_socket_path(_config(args))
+
+
+def _config(args: argparse.Namespace):
+    """The daemon's config (-c, else the daemon's own default). Read only when needed:
+    -s works without a readable config."""
+    from mtaqueue import config
+
+    path = args.config or config.default_path()
     try:
-        return config.control_socket_path(config.load(path, []))
+        return config.load(path, [])
     except config.ConfigError as exc:
         raise Failure(str(exc)) from None
     except OSError as exc:

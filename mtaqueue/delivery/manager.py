@@ -142,6 +142,8 @@ class DeliveryManager:
         self.core: Scheduler[WorkItem] | None = None
         self.on_delivery: Callable[[dict], None] | None = None  # each "delivery" event
         self.on_connect: Callable[[str, float], None] | None = None  # destination, seconds
+        # DKIM for our own notices: (record, content) -> the record and content to store
+        self.sign_notice: Callable[[Message, bytes], tuple[Message, bytes]] | None = None
         self.revalidation = Revalidation(cfg, self._revalidated)
         self._started = False  # not started (delivery.enabled = false): nothing to save
         self.policies: Policies | None = None  # MTA-STS, made by reconfigure
@@ -1285,6 +1287,8 @@ class DeliveryManager:
             klass=self.cfg.dsn.klass,
             lifetime=self.cfg.dsn.lifetime,
         )
+        if self.sign_notice is not None:
+            notice, content = self.sign_notice(notice, content)
         stored = self.spool.accept(notice, content)  # now: a stop finds it queued
         fields = {"id": dsn_id, "kind": kind, "about": message.id, "to": message.sender}
         return self._spawn(self._store_notice(stored, notice, content, fields))

@@ -6,6 +6,8 @@ done-callback, so accepting a message costs no task and no thread hop of its own
 A message too large to hold is written to its spool file piece by piece as the
 session hands it on; while a piece is written (in a thread) we stop reading that
 client once a little more has come, so the client waits for the disk, not our memory.
+Mail a DKIM key signs goes to the signing service between `prepare()` and the spool
+(a streamed message is signed by the spool's threads as they write it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..dkim.service import SigningService
 from ..logs import get_logger
 from ..model import Message
 from ..spool.store import IncomingMessage, Spool, StorageFull
@@ -67,6 +70,7 @@ class Listener:
         self,
         settings: ListenerSettings,
         spool: Spool,
+        signing: SigningService,
         *,
         tls: ssl.SSLContext | None = None,
         credentials: Credentials | None = None,
@@ -75,6 +79,7 @@ class Listener:
         self.settings = settings
         self.rcpt_check = rcpt_check
         self.spool = spool
+        self.signing = signing
         self.tls = tls
         self.credentials = credentials
         self.connections: set[SubmissionProtocol] = set()
@@ -292,7 +297,20 @@ class SubmissionProtocol(asyncio.Protocol):
             log.info("refused", client=self.client, sender=submit.envelope.sender, reply=str(exc))
             self._resume(str(exc))
             return
-        future = spool.accept(message, content)
+        signing = self.listener.signing.sign(message, content)
+        if signing is None:
+            self._accept(message, content)
+        else:
+            signing.add_done_callback(self._signed)
+
+    def _signed(self, future: asyncio.Future) -> None:
+        if future.exception() is not None:  # a bug, logged by the signing service
+            self._resume("451 4.3.0 Temporary signing failure, try again later")
+        else:
+            self._accept(*future.result())
+
+    def _accept(self, message: Message, content: bytes) -> None:
+        future = self.listener.spool.accept(message, content)
         future.add_done_callback(lambda f: self._committed(f, message))
 
     def _stream(self, stream: Stream) -> None:
@@ -308,7 +326,9 @@ class SubmissionProtocol(asyncio.Protocol):
             log.info("refused", client=self.client, sender=stream.envelope.sender, reply=str(exc))
             self._resume(str(exc))  # the session reads the rest and answers this
             return
-        self._incoming = spool.incoming(message)
+        # Signed as its content is written: the header is stored before the body is known.
+        signer = self.listener.signing.signer.stream(header, now)
+        self._incoming = spool.incoming(message, signer)
         self._stored(self._incoming.write(header, stream.data))
 
     def _stored(self, future: asyncio.Future) -> None:

@@ -1,14 +1,20 @@
 """One message on disk: a checksummed prelude, the content, the record at acceptance.
 
-    prelude  <4sQIII>  magic b"MTQ2", content length, header length,
-                       crc32(content), crc32(header)
+    prelude  <4sQIIII> magic b"MTQ3", content length, head length, header length,
+                       crc32(content and head, as they lie in the file), crc32(header)
     content            the message as received: CRLF line endings, dot-unstuffed
+    head               header fields that go before the content: the DKIM signature of
+                       a message written as it arrived (b"" for any other)
     header             msgpack of the `Message` as accepted
 
-The content comes first so that a message too large to hold can be written as it
-arrives (`MessageFileWriter`): its record, which holds its size, and the prelude
-follow once it is complete. Files of the first format are still read:
+The message is the head followed by the content. The content comes first so that a
+message too large to hold can be written as it arrives (`MessageFileWriter`): what is
+only known once it is complete (its signature, its record, which holds its size, and
+the prelude) follows. Files of the older formats are still read:
 
+    prelude  <4sQIII>  magic b"MTQ2", content length, header length,
+                       crc32(content), crc32(header)
+    content, header
     prelude  <4sIII>   magic b"MTQ1", header length, crc32(header), crc32(content)
     header, content
 
@@ -31,9 +37,11 @@ from mtaqueue.model import Message
 
 from .durable import write_all
 
-MAGIC = b"MTQ2"
+MAGIC = b"MTQ3"
+MAGIC_V2 = b"MTQ2"
 MAGIC_V1 = b"MTQ1"
-_PRELUDE = struct.Struct("<4sQIII")
+_PRELUDE = struct.Struct("<4sQIIII")
+_PRELUDE_V2 = struct.Struct("<4sQIII")
 _PRELUDE_V1 = struct.Struct("<4sIII")
 
 _encoder = msgspec.msgpack.Encoder()
@@ -50,11 +58,11 @@ class CorruptMessageFile(ValueError):
 def file_parts(message: Message, content: bytes) -> tuple[bytes, bytes, bytes]:
     """The prelude, content and header of a message file, for one writev() (no copy)."""
     header = _encoder.encode(message)
-    return _prelude(len(content), zlib.crc32(content), header), content, header
+    return _prelude(len(content), 0, zlib.crc32(content), header), content, header
 
 
-def _prelude(content_length: int, content_crc: int, header: bytes) -> bytes:
-    return _PRELUDE.pack(MAGIC, content_length, len(header), content_crc, zlib.crc32(header))
+def _prelude(content_length: int, head_length: int, crc: int, header: bytes) -> bytes:
+    return _PRELUDE.pack(MAGIC, content_length, head_length, len(header), crc, zlib.crc32(header))
 
 
 class MessageFileWriter:
@@ -80,14 +88,16 @@ class MessageFileWriter:
                 self._crc = zlib.crc32(part, self._crc)
                 self.length += len(part)
 
-    def finish(self, message: Message) -> None:
-        """Write the record (`message`, its size that of the content written) and the
-        prelude, flush the file to disk and close it."""
+    def finish(self, message: Message, head: bytes = b"") -> None:
+        """Write the fields that go before the content (`head`), the record (`message`,
+        its size that of the head and content) and the prelude, flush the file to disk
+        and close it."""
         header = _encoder.encode(message)
         with self._lock:
             fd = self._open()
-            write_all(fd, header)
-            prelude = _prelude(self.length, self._crc, header)
+            write_all(fd, head, header)
+            crc = zlib.crc32(head, self._crc)
+            prelude = _prelude(self.length, len(head), crc, header)
             if os.pwrite(fd, prelude, 0) != len(prelude):
                 raise OSError(f"short write of the prelude of {self.path}")
             # Flushed here, in the daemon's thread: the spool writer's own fsync (before
@@ -135,27 +145,32 @@ def read_content(path: Path) -> bytes:
 
 
 def _read(path: Path) -> tuple[bytes, bytes]:
-    """The header and content, checked against the prelude."""
+    """The header and the message (head and content), checked against the prelude."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         magic = f.read(4)
         if magic == MAGIC_V1:
             return _read_v1(path, f, size)
-        if len(magic) == 4 and magic != MAGIC:
+        if len(magic) == 4 and magic not in (MAGIC, MAGIC_V2):
             raise CorruptMessageFile(path, f"bad magic {magic!r}")
-        prelude = magic + f.read(_PRELUDE.size - 4)
-        if len(prelude) < _PRELUDE.size:
+        layout = _PRELUDE if magic == MAGIC else _PRELUDE_V2
+        prelude = magic + f.read(layout.size - 4)
+        if len(prelude) < layout.size:
             raise CorruptMessageFile(path, f"short file ({size} bytes)")
-        _, content_len, header_len, content_crc, header_crc = _PRELUDE.unpack(prelude)
+        if magic == MAGIC:
+            _, content_len, head_len, header_len, crc, header_crc = layout.unpack(prelude)
+        else:
+            _, content_len, header_len, crc, header_crc = layout.unpack(prelude)
+            head_len = 0
         # Checked before reading, so a corrupt length cannot make us allocate it.
-        if _PRELUDE.size + content_len + header_len != size:
-            raise CorruptMessageFile(
-                path, f"lengths {content_len} + {header_len} do not add up to the file's {size}"
-            )
+        if layout.size + content_len + head_len + header_len != size:
+            lengths = f"{content_len} + {head_len} + {header_len}"
+            raise CorruptMessageFile(path, f"lengths {lengths} do not add up to the file's {size}")
         content = f.read(content_len)
+        head = f.read(head_len)
         header = f.read(header_len)
-    _check(path, header, header_crc, content, content_crc)
-    return header, content
+    _check(path, header, header_crc, content, crc, head)
+    return header, head + content if head else content
 
 
 def _read_v1(path: Path, f, size: int) -> tuple[bytes, bytes]:
@@ -171,8 +186,10 @@ def _read_v1(path: Path, f, size: int) -> tuple[bytes, bytes]:
     return header, content
 
 
-def _check(path: Path, header: bytes, header_crc: int, content: bytes, content_crc: int) -> None:
+def _check(
+    path: Path, header: bytes, header_crc: int, content: bytes, crc: int, head: bytes = b""
+) -> None:
     if zlib.crc32(header) != header_crc:
         raise CorruptMessageFile(path, "header checksum mismatch")
-    if zlib.crc32(content) != content_crc:
+    if zlib.crc32(head, zlib.crc32(content)) != crc:
         raise CorruptMessageFile(path, "content checksum mismatch")

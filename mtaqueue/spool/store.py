@@ -23,16 +23,17 @@ import asyncio
 import contextlib
 import fcntl
 import os
-import socket
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
+from ..child_process import abandon, start_child
 from ..events.event import Event
+from ..framing import frame, split_frames
 from ..ids import IdGenerator
 from ..logs import get_logger
 from ..model import Message
@@ -53,8 +54,6 @@ from .writer import (
     Place,
     Remove,
     Update,
-    frame,
-    split_frames,
 )
 
 log = get_logger("spool")
@@ -206,38 +205,15 @@ class Spool:
         )
 
     async def _spawn(self) -> None:
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "mtaqueue.spool.writer",
-                str(self.layout.root),
-                "--fd",
-                str(theirs.fileno()),
-                "--compact-size",
-                str(self._compact_size),
-                "--dedupe-window",
-                str(self.dedupe_window),
-                pass_fds=(theirs.fileno(),),
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
         link = _WriterLink(self)
+        args = [str(self.layout.root), "--compact-size", str(self._compact_size)]
+        args += ["--dedupe-window", str(self.dedupe_window)]
+        process = await start_child("mtaqueue.spool.writer", args, link)
         try:
-            await loop.create_connection(lambda: link, sock=ours)
             await asyncio.wait_for(link.ready, WRITER_START_TIMEOUT)
         except BaseException as exc:
-            # Not ready in time, died while starting, or we are closing: never leave it behind.
-            if link.transport is not None:
-                link.transport.close()
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
+            # Not ready in time, died while starting, or we are closing.
+            await abandon(process, link.transport)
             if isinstance(exc, TimeoutError | ConnectionError):
                 raise StorageError(f"spool writer did not start: {exc!r}") from None
             raise
@@ -345,9 +321,10 @@ class Spool:
         """
         return self._new(Accept(message, content))
 
-    def incoming(self, message: Message) -> IncomingMessage:
-        """A new message to write as its content arrives (data too large to hold)."""
-        return IncomingMessage(self, message)
+    def incoming(self, message: Message, signer: ContentSigner | None = None) -> IncomingMessage:
+        """A new message to write as its content arrives (data too large to hold); a
+        `signer` sees it as it is written and gives the fields to put before it."""
+        return IncomingMessage(self, message, signer)
 
     def key_holder(self, key: str, tenant: str | None) -> str | None:
         """The id of the newest message accepted with this idempotency key (of this
@@ -574,6 +551,15 @@ class Spool:
                 del self._pending_keys[key]
 
 
+class ContentSigner(Protocol):
+    """Sees a streamed message's content as it is written (in the spool's threads), then
+    gives the fields that go before it (a DKIM signature: `dkim.signer.StreamSigning`)."""
+
+    def feed(self, data: bytes) -> None: ...
+
+    def fields(self) -> bytes: ...
+
+
 class IncomingMessage:
     """A new message written to its spool file as its content arrives.
 
@@ -582,24 +568,27 @@ class IncomingMessage:
     threads; a file that is not committed is removed (a crash leaves a temp file, which
     the start-up sweep removes)."""
 
-    def __init__(self, spool: Spool, message: Message) -> None:
+    def __init__(self, spool: Spool, message: Message, signer: ContentSigner | None) -> None:
         self.message = message  # its record; its size is set by commit()
         self._spool = spool
         self._file = MessageFileWriter(spool.layout.tmp_path(message.id))
+        self._signer = signer
 
     def write(self, *parts: bytes) -> asyncio.Future:
         """Append content; the future fails with StorageFull or StorageError."""
-        return self._in_thread(self._file.write, *parts)
+        return self._in_thread(self._write, *parts)
 
     def commit(self, last: bytes) -> asyncio.Future:
         """Append the last content, then make the message durable as `Spool.accept()`
         does (with the same answers: the queue id, or a duplicate's first id)."""
-        self.message = msgspec.structs.replace(self.message, size=self._file.length + len(last))
         result = asyncio.get_running_loop().create_future()
 
         def finish() -> None:
-            self._file.write(last)
-            self._file.finish(self.message)
+            self._write(last)
+            head = b"" if self._signer is None else self._signer.fields()
+            size = len(head) + self._file.length
+            self.message = msgspec.structs.replace(self.message, size=size)
+            self._file.finish(self.message, head)
 
         def finished(future: asyncio.Future) -> None:
             if future.exception() is not None:
@@ -619,6 +608,12 @@ class IncomingMessage:
 
         self._in_thread(finish).add_done_callback(finished)
         return result
+
+    def _write(self, *parts: bytes) -> None:
+        if self._signer is not None:
+            for part in parts:
+                self._signer.feed(part)
+        self._file.write(*parts)
 
     def discard(self) -> None:
         """Forget it: its file is removed (in the background)."""

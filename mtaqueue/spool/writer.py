@@ -26,7 +26,6 @@ import contextlib
 import os
 import signal
 import socket
-import struct
 import sys
 import time
 import uuid
@@ -37,6 +36,7 @@ import msgspec
 
 from ..events import derive
 from ..events.event import Event, msgpack_encoder
+from ..framing import frame, split_frames
 from ..model import Message
 from . import journal
 from .durable import fsync_dir, fsync_path, is_disk_full, write_all
@@ -46,7 +46,6 @@ from .message_file import file_parts
 from .records import Delete, JournalState, Noted, Put, Record, Suppress, Unsuppress
 
 IO_THREADS = 4
-_LENGTH = struct.Struct("<I")
 
 
 class Accept(msgspec.Struct, tag=0, array_like=True, frozen=True):
@@ -112,22 +111,6 @@ class BatchResult(msgspec.Struct, array_like=True, frozen=True):
 OK = ""
 FULL = "full:"
 ERROR = "error:"
-
-
-def frame(payload: bytes) -> bytes:
-    return _LENGTH.pack(len(payload)) + payload
-
-
-def split_frames(buffer: bytearray) -> list[bytes]:
-    """Remove and return the complete frames at the start of `buffer`."""
-    frames = []
-    while len(buffer) >= 4:
-        (length,) = _LENGTH.unpack_from(buffer)
-        if len(buffer) < 4 + length:
-            break
-        frames.append(bytes(buffer[4 : 4 + length]))
-        del buffer[: 4 + length]
-    return frames
 
 
 class SpoolWriter:
