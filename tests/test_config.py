@@ -449,7 +449,7 @@ def test_shipped_config_names_every_key_and_only_real_keys() -> None:
         ("pools.bulk.sources=[]", "pools.bulk.sources: name at least one address"),
         ('pools.bulk.sources=["10.0.0.300"]', "pools.bulk.sources[0]: not an IP address"),
         ('pools.b.sources=["::1", {address="::1"}]', "pools.b.sources[1]: ::1 is named twice"),
-        ('pools.bulk.sources=[{helo="x"}]', "pools.bulk.sources[0]: object missing required"),
+        ('pools.bulk.sources=[{helo="x"}]', "pools.bulk.sources[0].address: required"),
     ],
 )
 def test_issue_11_keys_are_checked(item: str, message: str) -> None:
