@@ -12,7 +12,6 @@ reload that changed the keys): slower, never unsigned, never refused for it.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -31,9 +30,10 @@ log = get_logger("dkim")
 START_TIMEOUT = 10.0
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 60.0
 STABLE = 30.0  # a signer that lived this long is restarted at once when it dies
-# Signer processes: one a core beyond the two the daemon and its spool writer keep busy
-# (on two cores a second one cost more CPU than its parallel signing gained, see RESULTS).
-PROCESSES = max(1, (os.cpu_count() or 1) - 2)
+# Signer processes. On two cores one is best: a second one (or a thread pool, or the event
+# loop signing too when the signer is behind) took CPU from the daemon and its writer and
+# accepted 25% less (bench/RESULTS.md); more cores may want more.
+PROCESSES = 1
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Answer)
