@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ..child_process import abandon, start_child
-from ..framing import frame, split_frames
+from ..child_process import ChildLink, abandon, start_child
+from ..framing import frame
 from ..logs import get_logger
 from ..model import Message
 from .signer import Signer
@@ -200,20 +200,17 @@ def _stored(message: Message, fields: bytes, content: bytes) -> tuple[Message, b
     return msgspec.structs.replace(message, size=len(stored)), stored
 
 
-class _SignerLink(asyncio.Protocol):
+class _SignerLink(ChildLink):
     """The daemon's end of the socketpair to one signer process."""
 
     def __init__(self, service: SigningService) -> None:
+        super().__init__("signer")
         self.service = service
-        self.transport: asyncio.Transport | None = None
         self.process: asyncio.subprocess.Process
-        loop = asyncio.get_running_loop()
-        self.ready: asyncio.Future = loop.create_future()
-        self.gone: asyncio.Future = loop.create_future()
+        self.gone: asyncio.Future = asyncio.get_running_loop().create_future()
         self.expected = False  # closed by us (a reload), not a crash
         self.sent: deque[_Pending] = deque()  # asked of it, in order
         self.outgoing: list[bytes] = []  # frames of `sent` still to write
-        self._buffer = bytearray()
 
     def send(self, pending: _Pending) -> None:
         self.sent.append(pending)
@@ -227,24 +224,11 @@ class _SignerLink(asyncio.Protocol):
         if work and self.transport is not None:
             self.transport.write(work)
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def answered(self, payload: bytes) -> None:
+        if self.sent:
+            self.service._answered(self.sent.popleft(), payload)
 
-    def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        for payload in split_frames(self._buffer):
-            if not self.ready.done():
-                if payload == b"ready":
-                    self.ready.set_result(None)
-                else:
-                    self.ready.set_exception(RuntimeError(payload.decode(errors="replace")))
-            elif self.sent:
-                self.service._answered(self.sent.popleft(), payload)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        if not self.ready.done():
-            self.ready.set_exception(ConnectionError("the signer exited while starting"))
+    def lost(self) -> None:
         self.service._lost(self)
         if not self.gone.done():
             self.gone.set_result(None)
