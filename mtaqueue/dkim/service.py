@@ -181,6 +181,9 @@ class SigningService:
                 log.error("dkim_signer_start_failed", error=str(exc))
                 await abandon(link.process, link.transport)
                 continue
+            except asyncio.CancelledError:  # close() while it starts: do not leave it
+                await abandon(link.process, link.transport)
+                raise
             started = time.monotonic()
             self._links.append(link)
             log.info("dkim_signer_ready", pid=link.process.pid)
