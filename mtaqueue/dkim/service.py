@@ -2,11 +2,12 @@
 
 `SigningService.sign()` takes a prepared message (steering fields gone, Received added)
 and gives back the record and content to store: signed if a key signs it. A message
-with an RSA key (~0.26 ms a signature) is signed by the signer process (`worker`): sent
-as it comes (one write for what a loop iteration asks) and answered in order. Ed25519
-alone (~0.03 ms) costs less than the trip there and back: signed in the event loop. So
-is everything while that process is not running (starting, after a crash, after a
-reload that changed the keys): slower, never unsigned, never refused for it.
+with an RSA key (~0.26 ms a signature), or large, is signed by the signer process
+(`worker`): sent as it comes (one write for what a loop iteration asks) and answered in
+order. A small one with Ed25519 keys only (~0.06 ms in all) costs less than the trip there
+and back: signed in the event loop. So is everything while that process is not running
+(starting, after a crash, after a reload that changed the keys): slower, never unsigned,
+never refused for it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from .worker import Answer, Tables
 log = get_logger("dkim")
 
 START_TIMEOUT = 10.0
+# Larger content (an API message held whole) goes to the signer whatever its keys: even
+# hashing it would hold up the event loop.
+INLINE_MAX = 64 << 10
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 60.0
 STABLE = 30.0  # a signer that lived this long is restarted at once when it dies
 # Signer processes. On two cores one is best: a second one (or a thread pool, or the event
@@ -93,7 +97,8 @@ class SigningService:
             return None
         pending = _Pending(message, content, asyncio.get_running_loop().create_future())
         link = min(self._links, key=_backlog, default=None)
-        costly = any(key.algorithm == "rsa-sha256" for key in keys)
+        rsa = any(key.algorithm == "rsa-sha256" for key in keys)
+        costly = rsa or len(content) > INLINE_MAX
         if link is None or link.transport is None or not costly:
             self._inline(pending)
         else:
