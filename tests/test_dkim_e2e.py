@@ -90,7 +90,7 @@ def test_a_large_message_over_the_api_is_signed_by_the_signer_process(
     world,
     start_api,  # noqa: F811
 ):
-    daemon, api = start_api(*world.overrides(), config=dkim_config(world.tmp_path))
+    _, api = start_api(*world.overrides(), config=dkim_config(world.tmp_path))
     text = "".join(f"line {i:06d} of a large message\n" for i in range(12000))  # ~370 KB
     sent = api.submit(**{"from": "App <app@other.test>"}, to=["bob@example.org"], text=text)
     assert sent.status == 202
