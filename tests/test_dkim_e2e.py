@@ -86,6 +86,18 @@ def test_mail_over_smtp_and_over_the_api_arrives_with_both_signatures_valid(
         assert b"a=rsa-sha256;" in mail.content and b"a=ed25519-sha256;" in mail.content
 
 
+def test_a_large_message_over_the_api_is_signed_by_the_signer_process(
+    world,
+    start_api,  # noqa: F811
+):
+    _, api = start_api(*world.overrides(), config=dkim_config(world.tmp_path))
+    text = "".join(f"line {i:06d} of a large message\n" for i in range(12000))  # ~370 KB
+    sent = api.submit(**{"from": "App <app@other.test>"}, to=["bob@example.org"], text=text)
+    assert sent.status == 202
+    (mail,) = wait_for(lambda: world.peer.messages, what="delivery")
+    assert len(mail.content) > 300_000 and world.verify(mail.content) == [True]
+
+
 def test_a_subdomain_is_signed_with_its_parents_key_and_a_domain_without_one_not_at_all(
     world, start_daemon
 ):

@@ -2,25 +2,25 @@
 
 `SigningService.sign()` takes a prepared message (steering fields gone, Received added)
 and gives back the record and content to store: signed if a key signs it. A message
-with an RSA key (~0.26 ms a signature) is signed by the signer process (`worker`): sent
-as it comes (one write for what a loop iteration asks) and answered in order. Ed25519
-alone (~0.03 ms) costs less than the trip there and back: signed in the event loop. So
-is everything while that process is not running (starting, after a crash, after a
-reload that changed the keys): slower, never unsigned, never refused for it.
+with an RSA key (~0.26 ms a signature), or large, is signed by the signer process
+(`worker`): sent as it comes (one write for what a loop iteration asks) and answered in
+order. A small one with Ed25519 keys only (~0.06 ms in all) costs less than the trip there
+and back: signed in the event loop. So is everything while that process is not running
+(starting, after a crash, after a reload that changed the keys): slower, never unsigned,
+never refused for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import msgspec
 
-from ..child_process import abandon, start_child
-from ..framing import frame, split_frames
+from ..child_process import ChildLink, abandon, start_child
+from ..framing import frame
 from ..logs import get_logger
 from ..model import Message
 from .signer import Signer
@@ -29,11 +29,15 @@ from .worker import Answer, Tables
 log = get_logger("dkim")
 
 START_TIMEOUT = 10.0
+# Larger content (an API message held whole) goes to the signer whatever its keys: even
+# hashing it would hold up the event loop.
+INLINE_MAX = 64 << 10
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 60.0
 STABLE = 30.0  # a signer that lived this long is restarted at once when it dies
-# Signer processes: one a core beyond the two the daemon and its spool writer keep busy
-# (on two cores a second one cost more CPU than its parallel signing gained, see RESULTS).
-PROCESSES = max(1, (os.cpu_count() or 1) - 2)
+# Signer processes. On two cores one is best: a second one (or a thread pool, or the event
+# loop signing too when the signer is behind) took CPU from the daemon and its writer and
+# accepted 25% less (bench/RESULTS.md); more cores may want more.
+PROCESSES = 1
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Answer)
@@ -93,7 +97,8 @@ class SigningService:
             return None
         pending = _Pending(message, content, asyncio.get_running_loop().create_future())
         link = min(self._links, key=_backlog, default=None)
-        costly = any(key.algorithm == "rsa-sha256" for key in keys)
+        rsa = any(key.algorithm == "rsa-sha256" for key in keys)
+        costly = rsa or len(content) > INLINE_MAX
         if link is None or link.transport is None or not costly:
             self._inline(pending)
         else:
@@ -181,6 +186,9 @@ class SigningService:
                 log.error("dkim_signer_start_failed", error=str(exc))
                 await abandon(link.process, link.transport)
                 continue
+            except asyncio.CancelledError:  # close() while it starts: do not leave it
+                await abandon(link.process, link.transport)
+                raise
             started = time.monotonic()
             self._links.append(link)
             log.info("dkim_signer_ready", pid=link.process.pid)
@@ -200,20 +208,17 @@ def _stored(message: Message, fields: bytes, content: bytes) -> tuple[Message, b
     return msgspec.structs.replace(message, size=len(stored)), stored
 
 
-class _SignerLink(asyncio.Protocol):
+class _SignerLink(ChildLink):
     """The daemon's end of the socketpair to one signer process."""
 
     def __init__(self, service: SigningService) -> None:
+        super().__init__("signer")
         self.service = service
-        self.transport: asyncio.Transport | None = None
         self.process: asyncio.subprocess.Process
-        loop = asyncio.get_running_loop()
-        self.ready: asyncio.Future = loop.create_future()
-        self.gone: asyncio.Future = loop.create_future()
+        self.gone: asyncio.Future = asyncio.get_running_loop().create_future()
         self.expected = False  # closed by us (a reload), not a crash
         self.sent: deque[_Pending] = deque()  # asked of it, in order
         self.outgoing: list[bytes] = []  # frames of `sent` still to write
-        self._buffer = bytearray()
 
     def send(self, pending: _Pending) -> None:
         self.sent.append(pending)
@@ -227,24 +232,11 @@ class _SignerLink(asyncio.Protocol):
         if work and self.transport is not None:
             self.transport.write(work)
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def answered(self, payload: bytes) -> None:
+        if self.sent:
+            self.service._answered(self.sent.popleft(), payload)
 
-    def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        for payload in split_frames(self._buffer):
-            if not self.ready.done():
-                if payload == b"ready":
-                    self.ready.set_result(None)
-                else:
-                    self.ready.set_exception(RuntimeError(payload.decode(errors="replace")))
-            elif self.sent:
-                self.service._answered(self.sent.popleft(), payload)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        if not self.ready.done():
-            self.ready.set_exception(ConnectionError("the signer exited while starting"))
+    def lost(self) -> None:
         self.service._lost(self)
         if not self.gone.done():
             self.gone.set_result(None)

@@ -31,9 +31,9 @@ from typing import Protocol
 
 import msgspec
 
-from ..child_process import abandon, start_child
+from ..child_process import ChildLink, abandon, start_child
 from ..events.event import Event
-from ..framing import frame, split_frames
+from ..framing import frame
 from ..ids import IdGenerator
 from ..logs import get_logger
 from ..model import Message
@@ -214,7 +214,7 @@ class Spool:
         except BaseException as exc:
             # Not ready in time, died while starting, or we are closing.
             await abandon(process, link.transport)
-            if isinstance(exc, TimeoutError | ConnectionError):
+            if isinstance(exc, TimeoutError | ConnectionError | RuntimeError):
                 raise StorageError(f"spool writer did not start: {exc!r}") from None
             raise
         self._link, self._process = link, process
@@ -645,28 +645,16 @@ async def _end(process: asyncio.subprocess.Process, timeout: float) -> None:
         await asyncio.wait_for(process.wait(), 1.0)
 
 
-class _WriterLink(asyncio.Protocol):
+class _WriterLink(ChildLink):
     """The daemon's end of the socketpair to the writer."""
 
     def __init__(self, spool: Spool) -> None:
+        super().__init__("spool writer")
         self.spool = spool
-        self.transport: asyncio.Transport | None = None
-        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._buffer = bytearray()
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def answered(self, payload: bytes) -> None:
+        if self.spool._link is self:
+            self.spool._answered(payload)
 
-    def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        for payload in split_frames(self._buffer):
-            if not self.ready.done():
-                self.ready.set_result(None)  # the writer's "ready" frame
-            elif self.spool._link is self:
-                self.spool._answered(payload)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        if not self.ready.done():
-            self.ready.set_exception(ConnectionError("spool writer exited while starting"))
+    def lost(self) -> None:
         self.spool._writer_lost(self)
