@@ -34,6 +34,7 @@ import msgspec
 from .. import config
 from ..dsn import DsnParams
 from ..dsn import notice as dsn_notice
+from ..events.derive import DONE
 from ..logs import get_logger
 from ..model import (
     DEFERRED,
@@ -1233,7 +1234,7 @@ class DeliveryManager:
                 self._journal_when_noticed(message, finished, waits)
             )
         elif finished:
-            self._journal(self.spool.remove(message.id, "done", message), message.id)
+            self._journal(self.spool.remove(message.id, DONE, message), message.id)
         else:
             self._journal(self.spool.update(message), message.id)
         due = None if finished else _earliest_due(message)
@@ -1263,7 +1264,7 @@ class DeliveryManager:
             log.error("original_kept", id=message.id, reason="its DSN could not be queued")
             return False
         if finished:
-            self._journal(self.spool.remove(message.id, "done", message), message.id)
+            self._journal(self.spool.remove(message.id, DONE, message), message.id)
         elif self._noticing.get(message.id) is None:  # the latest record: journal it
             latest = self.spool.messages.get(message.id)
             if latest is not None:
@@ -1383,7 +1384,7 @@ class DeliveryManager:
 
     def cancel(self, messages: list[Message], reason: str) -> int:
         """Remove messages without a DSN: the operator's delete, the application's cancel
-        (API, revalidation). `reason` is journaled; any reason but "done" makes the
+        (API, revalidation). `reason` is journaled; any reason but DONE makes the
         recipients not yet final "cancelled" events."""
         ids = {m.id for m in messages}
         self._unqueue_messages(ids)

@@ -73,14 +73,11 @@ class EventLogWriter:
         self._size = 0
         self._synced = time.monotonic()
         self._dirty = False
-        found = segments(directory)
-        if found:
-            first, path = found[-1]
-            data = path.read_bytes()
-            payloads, end = _frames(data)
-            if end != len(data):  # a torn tail: appended after, it would never be read
+        newest = _newest(directory)
+        if newest is not None:
+            path, self.last_seq, end, size = newest
+            if end != size:  # a torn tail: appended after, it would never be read
                 os.truncate(path, end)
-            self.last_seq = msgpack_decoder.decode(payloads[-1]).seq if payloads else first - 1
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             self._size = end
 
@@ -229,11 +226,18 @@ def write_cursors(directory: Path, cursors: dict[str, int]) -> None:
 
 def last_seq(directory: Path) -> int:
     """The seq of the newest event in the log (0 if none)."""
+    newest = _newest(directory)
+    return 0 if newest is None else newest[1]
+
+
+def _newest(directory: Path) -> tuple[Path, int, int, int] | None:
+    """The newest segment: its path, its last event's seq (its first's - 1 when it has
+    none yet), where its intact frames end, and its size."""
     found = segments(directory)
-    for first, path in reversed(found):
-        payloads, _ = _frames(path.read_bytes())
-        if payloads:
-            return msgpack_decoder.decode(payloads[-1]).seq
-        if first > 1:
-            return first - 1
-    return 0
+    if not found:
+        return None
+    first, path = found[-1]
+    data = path.read_bytes()
+    payloads, end = _frames(data)
+    last = msgpack_decoder.decode(payloads[-1]).seq if payloads else first - 1
+    return path, last, end, len(data)
