@@ -116,13 +116,14 @@ class Daemon:
         self.credentials = _credentials(cfg)
         self.api_tokens, self.api_token_warnings = _api_tokens(cfg)
         # The key files are read here, and again at each SIGHUP (new keys then).
-        self.signing = SigningService(Signer(load_keys(cfg.dkim)), cfg.dkim)
+        self.signing = SigningService(Signer(load_keys(cfg.dkim)))
         self.spool = Spool(
             cfg.spool.path,
             min_free=cfg.spool.min_free.bytes_for,
             compact_size=cfg.spool.journal_compact_size,
             dedupe_window=cfg.submission.dedupe_window,
         )
+        self.spool.signing_keys = self.signing.pems  # the writer makes the signatures
         d = cfg.delivery
         self.resolver = Resolver(
             [config.parse_nameserver(n) for n in cfg.dns.nameservers],
@@ -187,7 +188,6 @@ class Daemon:
             seconds=round(report.seconds, 3),
         )
         self.spool.last_event = event_log.last_seq(self.spool.layout.events)
-        self.signing.start()
         listener = Listener(
             self.listener_settings,
             self.spool,
@@ -220,7 +220,6 @@ class Daemon:
         except (OSError, RuntimeError, StorageError) as exc:
             log.error("startup_failed", error=str(exc))
             await listener.close(0)
-            await self.signing.close()
             for server in (metrics_server, api_server):
                 if server is not None:
                     await server.close()
@@ -260,7 +259,6 @@ class Daemon:
         if api_server is not None:
             closing.append(api_server.close())
         await asyncio.gather(*closing)
-        await self.signing.close()
         await self.events.close()
         sweep.cancel()
         free_space.cancel()
@@ -302,7 +300,7 @@ class Daemon:
         for key, (old, value) in restart_only.items():
             if old != value:
                 log.warning("reload_needs_restart", key=key)
-        self.signing.reconfigure(signer, new.dkim)
+        self.signing.reconfigure(signer)
         self.listener_settings = settings  # the API's, at its next request
         if hasattr(self, "listener"):
             self.listener.reconfigure(settings)

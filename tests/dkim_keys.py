@@ -49,7 +49,8 @@ def signing_key(
     domain: str = "example.com", selector: str = "s1", algorithm: str = "rsa-sha256", n: int = 0
 ) -> SigningKey:
     headers = tuple(name.encode() for name in DKIM_HEADERS)
-    return SigningKey(domain, selector, algorithm, private_key(algorithm, n=n), headers, "")
+    key = private_key(algorithm, n=n)
+    return SigningKey(domain, selector, algorithm, key, headers, "", pem(key))
 
 
 def verify_all(message: bytes, records: dict[str, str] | DnsFunc) -> list[bool]:

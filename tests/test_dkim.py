@@ -9,6 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from dkim.canonicalization import Relaxed
@@ -20,7 +21,7 @@ from mtaqueue.config import ConfigError, load
 from mtaqueue.delivery.conversion import Prepared, prepare
 from mtaqueue.dkim.canonical import RelaxedBody, relaxed_field
 from mtaqueue.dkim.keys import load_keys
-from mtaqueue.dkim.signature import sign_digest
+from mtaqueue.dkim.signature import fill, sign_digest
 from mtaqueue.dkim.signer import Signer, from_domain
 
 MESSAGE = (
@@ -127,6 +128,34 @@ def test_two_keys_give_two_signatures_each_valid_alone():
     assert message.count(b"DKIM-Signature:") == 2
     assert verify_all(message, records(rsa_key, ed_key)) == [True, True]
     assert verify_all(message, records(ed_key)) == [False, True]  # no RSA record published
+
+
+def test_a_signature_made_in_two_steps_is_the_one_made_at_once():
+    """prepare() leaves placeholders as long as the values (the size is final at once);
+    fill() makes them where they are, as sign() does."""
+    keys = (signing_key(selector="r"), signing_key("example.com", "e", "ed25519-sha256"))
+    signer = Signer({"example.com": keys})
+    presigned = signer.prepare(MESSAGE, 1_700_000_000)
+    assert presigned is not None and [p.key_id for p in presigned.pending] == [
+        key.key_id for key in keys
+    ]
+    private = {key.key_id: key.private for key in keys}
+    filled = fill(presigned.fields, presigned.pending, private)
+    assert len(filled) == len(presigned.fields)
+    assert filled + presigned.content == signed(signer)
+    assert verify_all(filled + presigned.content, records(*keys)) == [True, True]
+
+
+def test_a_signature_is_never_made_where_its_placeholder_is_not():
+    key = signing_key()
+    presigned = Signer({"example.com": (key,)}).prepare(MESSAGE, 1_700_000_000)
+    assert presigned is not None
+    (pending,) = presigned.pending
+    moved = msgspec.structs.replace(pending, offset=pending.offset - 1)
+    with pytest.raises(ValueError, match="no signature placeholder"):
+        fill(presigned.fields, [moved], {key.key_id: key.private})
+    with pytest.raises(KeyError):
+        fill(presigned.fields, [pending], {})
 
 
 def test_from_is_oversigned_so_that_a_second_from_breaks_the_signature():

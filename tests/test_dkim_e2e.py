@@ -18,6 +18,7 @@ import pytest
 from dkim_keys import dns_txt, publish, signing_key, verify_all, write_key
 from e2e_helpers import FAST, MailNet, events, wait_for
 from test_api_e2e import start_api  # noqa: F401  (a fixture)
+from test_crash_e2e import writer_pid
 
 from mtaqueue.spool.layout import SpoolLayout
 
@@ -86,7 +87,7 @@ def test_mail_over_smtp_and_over_the_api_arrives_with_both_signatures_valid(
         assert b"a=rsa-sha256;" in mail.content and b"a=ed25519-sha256;" in mail.content
 
 
-def test_a_large_message_over_the_api_is_signed_by_the_signer_process(
+def test_a_large_message_over_the_api_is_signed_before_the_spool_streams_it(
     world,
     start_api,  # noqa: F811
 ):
@@ -169,19 +170,19 @@ def test_8bit_mail_is_converted_before_it_is_signed_so_a_7bit_hop_gets_it_unchan
         assert world.verify(mail.content) == [True, True]
 
 
-def test_mail_is_still_signed_when_the_signer_process_dies(world, start_daemon):
+def test_mail_is_still_signed_by_a_spool_writer_started_again_after_kill_9(world, start_daemon):
+    """The writer makes the signature values with keys the daemon gave it: a new writer
+    is given them again with the first batch that needs them."""
     daemon = start_daemon(*world.overrides(), config=dkim_config(world.tmp_path))
-    first = daemon.wait_event("dkim_signer_ready")["pid"]
-    assert first == signer_pid(daemon)
+    daemon.send("app@example.com", ["bob@example.org"], message())
+    wait_for(lambda: world.peer.messages, what="delivery")
+    first = writer_pid(daemon)
     os.kill(first, signal.SIGKILL)
-    daemon.wait_event("dkim_signer_lost")
-    daemon.send("app@example.com", ["bob@example.org"], message())  # RSA: the signer's work
-    (mail,) = wait_for(lambda: world.peer.messages, what="delivery")
-    assert world.verify(mail.content) == [True, True]
-    second = wait_for(
-        lambda: [e["pid"] for e in events(daemon, "dkim_signer_ready")][1:], what="a new signer"
-    )
-    assert second == [signer_pid(daemon)] != [first]
+    daemon.wait_event("spool_writer_restarted")
+    assert writer_pid(daemon) not in (0, first)
+    daemon.send("app@example.com", ["bob@example.org"], message())
+    wait_for(lambda: len(world.peer.messages) == 2, what="delivery")
+    assert [world.verify(m.content) for m in world.peer.messages] == [[True, True]] * 2
 
 
 def test_a_reload_signs_with_the_new_keys(world, start_daemon):
@@ -253,21 +254,3 @@ def test_dkim_check_fails_on_a_missing_or_different_record(world):
     )
     unknown = ctl_check(world, "nokey.test")
     assert unknown.returncode == 1 and "no [dkim] key signs mail from nokey.test" in unknown.stderr
-
-
-def signer_pid(daemon) -> int:
-    """The daemon's live DKIM signer child (0 if none)."""
-    assert daemon.proc is not None
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        if ppid == daemon.proc.pid and b"mtaqueue.dkim.worker" in cmdline:
-            return int(entry)
-    return 0

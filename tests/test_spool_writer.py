@@ -13,7 +13,9 @@ import time
 
 import msgspec
 import pytest
+from dkim_keys import pem, signing_key, verify_all
 
+from mtaqueue.dkim.signer import Signer
 from mtaqueue.model import Message, Recipient
 from mtaqueue.spool import journal
 from mtaqueue.spool.layout import SpoolLayout
@@ -146,6 +148,39 @@ def test_a_placed_file_is_taken_as_a_writer_that_died_left_it(layout):
     new.close()
     assert queued(layout) == {renamed.id}
     assert read_message_file(layout.message_path(renamed.id)) == (renamed, b"renamed\r\n")
+
+
+def test_the_writer_makes_the_dkim_signatures_as_it_writes_the_file(layout):
+    keys = (signing_key(selector="r"), signing_key("example.com", "e", "ed25519-sha256"))
+    content = b"From: <app@example.com>\r\nSubject: hi\r\n\r\nhello\r\n"
+    presigned = Signer({"example.com": keys}).prepare(content, time.time())
+    assert presigned is not None
+    stored = presigned.fields + presigned.content
+    signed = msgspec.structs.replace(message(), size=len(stored))
+    spool_writer = writer(layout)
+    spool_writer.add_keys({key.key_id: pem(key.private) for key in keys})
+    assert spool_writer.commit([Accept(signed, stored, presigned.pending)]) == [OK]
+    spool_writer.close()
+    on_disk = read_message_file(layout.message_path(signed.id))[1]
+    assert len(on_disk) == signed.size and b"AAAAAAAA" not in on_disk
+    assert verify_all(on_disk, {k.record_name: k.record() for k in keys}) == [True, True]
+
+
+def test_a_signature_with_a_key_the_writer_was_not_given_fails_its_message_alone(layout):
+    key = signing_key()
+    content = b"From: <app@example.com>\r\n\r\nhello\r\n"
+    presigned = Signer({"example.com": (key,)}).prepare(content, time.time())
+    assert presigned is not None
+    stored = presigned.fields + presigned.content
+    lost, kept = message(), message()
+    spool_writer = writer(layout)
+    outcomes = spool_writer.commit(
+        [Accept(lost, stored, presigned.pending), Accept(kept, b"plain\r\n")]
+    )
+    spool_writer.close()
+    assert outcomes[0].startswith(ERROR) and "cannot sign" in outcomes[0]
+    assert outcomes[1] == OK
+    assert queued(layout) == {kept.id}
 
 
 def test_a_removed_message_is_not_brought_back_by_its_file(layout):

@@ -25,7 +25,7 @@ from aiohttp import web
 from ..control import suppression
 from ..control.views import message_json
 from ..delivery.manager import DeliveryManager
-from ..dkim.service import SigningError, SigningService
+from ..dkim.service import Signed, SigningError, SigningService
 from ..logs import get_logger
 from ..model import FINAL_STATES, Message
 from ..smtp.listener import ListenerSettings
@@ -147,9 +147,10 @@ class Api:
         )
         try:
             signing = self.deps.signing.sign(message, content)
-            if signing is not None:  # DKIM: signed once, before it is stored
-                message, content = await signing
-            queue_id = await self._store(message, content, settings.session.stream_threshold)
+            # DKIM: signed once, before it is stored (the values as the writer stores it)
+            signed = Signed(message, content, []) if signing is None else await signing
+            message = signed.message
+            queue_id = await self._store(signed, settings.session.stream_threshold)
         except StorageFull as exc:
             log.error("spool_full", error=str(exc), client=client)
             raise _storage_error(full=True) from None
@@ -163,16 +164,20 @@ class Api:
         log.info("accepted", **accepted_fields(message, client), via="http")
         return web.json_response({"id": queue_id}, status=202)
 
-    async def _store(self, message: Message, content: bytes, threshold: int | None) -> str:
+    async def _store(self, signed: Signed, threshold: int | None) -> str:
         """The id the spool answers once the message is durable. As the listener stores:
         a message past spool.stream_threshold is written to its file by the spool's
-        threads, a smaller one goes to the writer with its record."""
+        threads (its signatures made first), a smaller one goes to the writer with its
+        record (which makes them)."""
         spool = self.deps.spool
+        message, content, pending = signed
         first = spool.duplicate_of(message)
         if first is not None:  # no file to write (and remove)
             return first
         if threshold is None or len(content) <= threshold:
-            return await spool.accept(message, content)
+            return await spool.accept(message, content, pending)
+        if pending:
+            content = await asyncio.to_thread(self.deps.signing.fill, signed)
         return await spool.incoming(message).commit(content)
 
     async def _show(self, request: web.Request) -> web.Response:

@@ -8,6 +8,7 @@ config.load(), which also finds the control socket for users who cannot read the
 from __future__ import annotations
 
 import base64
+import hashlib
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives import serialization
@@ -28,6 +29,19 @@ class SigningKey:
     private: PrivateKey
     headers: tuple[bytes, ...]  # lower-case names of the fields to sign
     key_file: str
+    pem: bytes  # as read: what the spool writer is given to sign with (service.py)
+
+    @property
+    def key_id(self) -> str:
+        """Names the key to the spool writer: a reload that changes the file changes it."""
+        return hashlib.sha256(self.pem).hexdigest()[:16]
+
+    @property
+    def signature_size(self) -> int:
+        """Octets of its signatures: an RSA key's modulus, an Ed25519 signature's 64."""
+        if isinstance(self.private, rsa.RSAPrivateKey):
+            return (self.private.key_size + 7) // 8
+        return 64
 
     @property
     def record_name(self) -> str:
@@ -62,7 +76,7 @@ def load_keys(tables: dict[str, list[DkimKeyConfig]]) -> dict[str, tuple[Signing
         loaded = []
         for i, entry in enumerate(entries):
             path = dkim_path(domain, i if len(entries) > 1 else None)
-            private = _read_key(f"{path}.key_file", entry.key_file)
+            private, pem = _read_key(f"{path}.key_file", entry.key_file)
             _check_algorithm(path, entry.algorithm, private)
             headers = [name.lower() for name in entry.headers or DKIM_HEADERS]
             loaded.append(
@@ -73,13 +87,14 @@ def load_keys(tables: dict[str, list[DkimKeyConfig]]) -> dict[str, tuple[Signing
                     private=private,
                     headers=tuple(dict.fromkeys(name.encode() for name in headers)),
                     key_file=entry.key_file,
+                    pem=pem,
                 )
             )
         keys[domain.lower().rstrip(".")] = tuple(loaded)
     return keys
 
 
-def _read_key(path: str, key_file: str) -> PrivateKey:
+def _read_key(path: str, key_file: str) -> tuple[PrivateKey, bytes]:
     try:
         with open(key_file, "rb") as f:
             pem = f.read()
@@ -93,6 +108,14 @@ def _read_key(path: str, key_file: str) -> PrivateKey:
     if not isinstance(private, PrivateKey):
         kind = type(private).__name__.removeprefix("_")
         raise ConfigError(f"{path}: {key_file} holds a {kind}, not an RSA or Ed25519 key")
+    return private, pem
+
+
+def load_private(pem: bytes) -> PrivateKey:
+    """A key the daemon read and checked (load_keys), in the spool writer."""
+    private = serialization.load_pem_private_key(pem, password=None)
+    if not isinstance(private, PrivateKey):
+        raise ValueError(f"not an RSA or Ed25519 key: {type(private).__name__}")
     return private
 
 

@@ -3,13 +3,19 @@
 Both algorithms sign the SHA-256 of the canonical header data: RSA as PKCS #1 v1.5 of that
 digest, Ed25519 (PureEdDSA) over the 32 octets of the digest itself (RFC 8463 3). Both are
 deterministic, so a field is a pure function of its inputs.
+
+A field can be made in two steps: all of it but the signature value, whose length the key
+alone sets (so the message's size is known at once), with a placeholder of that length;
+then the value, by whoever holds the key (the spool writer, on its own threads: service.py).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+from typing import NamedTuple
 
+import msgspec
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ed25519, padding, utils
 
@@ -19,11 +25,34 @@ from .keys import PrivateKey, SigningKey
 _LINE = 76  # folded lines of at most this many octets, for readers (any length verifies)
 
 
+class PendingSignature(msgspec.Struct, array_like=True, frozen=True):
+    """A signature value still to make: with the key `key_id` (SigningKey.key_id), of
+    `digest`, in place of the placeholder at `offset` of the content it is part of."""
+
+    key_id: str
+    digest: bytes
+    offset: int
+
+
+class Unsigned(NamedTuple):
+    field: bytes  # up to and including "b="
+    digest: bytes  # what the signature signs
+    size: int  # octets of the signature
+
+
 def signature_field(
     key: SigningKey, fields: list[tuple[bytes, bytes]], body_hash: bytes, timestamp: int
 ) -> bytes:
     """The field, CRLF included, signing the header `fields` (lower-case name, raw field,
     in the header's order) and a body whose relaxed SHA-256 is `body_hash`."""
+    unsigned = unsigned_field(key, fields, body_hash, timestamp)
+    return unsigned.field + b_value(sign_digest(key.private, unsigned.digest))
+
+
+def unsigned_field(
+    key: SigningKey, fields: list[tuple[bytes, bytes]], body_hash: bytes, timestamp: int
+) -> Unsigned:
+    """The field as signature_field() makes it, up to its b= value."""
     names, signed = select(key.headers, fields)
     stamp = f"\tt={timestamp}; h="
     field = (
@@ -33,8 +62,34 @@ def signature_field(
     ).encode()
     # The field itself is hashed last, its b= empty and without its CRLF (RFC 6376 3.7).
     data = b"".join(map(relaxed_field, signed)) + relaxed_field(field)[:-2]
-    signature = base64.b64encode(sign_digest(key.private, hashlib.sha256(data).digest())).decode()
-    return field + _fold_b64(signature, len(" b=")).encode() + b"\r\n"
+    return Unsigned(field, hashlib.sha256(data).digest(), key.signature_size)
+
+
+def b_value(signature: bytes) -> bytes:
+    """The field's end: the signature in folded base64, then CRLF. Its length depends on
+    the signature's only, so placeholder(n) is as long as any n-octet signature's."""
+    return _fold_b64(base64.b64encode(signature).decode(), len(" b=")).encode() + b"\r\n"
+
+
+def placeholder(size: int) -> bytes:
+    return b_value(bytes(size))
+
+
+def fill(content: bytes, pending: list[PendingSignature], keys: dict[str, PrivateKey]) -> bytes:
+    """`content` with each pending signature made in place of its placeholder. KeyError:
+    a key that is not in `keys`; ValueError: no placeholder of that size at that offset
+    (a bug, which must not store a broken signature)."""
+    out, at = [], 0
+    for item in sorted(pending, key=lambda p: p.offset):
+        signature = sign_digest(keys[item.key_id], item.digest)
+        value = b_value(signature)
+        end = item.offset + len(value)
+        if item.offset < at or content[item.offset : end] != placeholder(len(signature)):
+            raise ValueError(f"no signature placeholder at offset {item.offset}")
+        out += [content[at : item.offset], value]
+        at = end
+    out.append(content[at:])
+    return b"".join(out)
 
 
 def select(

@@ -13,17 +13,27 @@ from __future__ import annotations
 
 import email.utils
 import re
+from typing import NamedTuple
 
 from ..delivery.conversion import Prepared, prepare
 from ..header_fields import header_end, split_fields
 from .canonical import RelaxedBody
 from .keys import SigningKey
-from .signature import signature_field
+from .signature import PendingSignature, fill, placeholder, signature_field, unsigned_field
+
+
+class Presigned(NamedTuple):
+    """A message signed but for the signature values (signature.py's two steps)."""
+
+    fields: bytes  # the signature fields, a placeholder where each value goes
+    content: bytes  # what they sign (converted if some hop would have changed it)
+    pending: list[PendingSignature]  # offsets in `fields`, so also in fields + content
 
 
 class Signer:
     def __init__(self, keys: dict[str, tuple[SigningKey, ...]]) -> None:
         self.keys = keys  # lower-case domain -> its keys
+        self.by_id = {key.key_id: key for domain in keys.values() for key in domain}
 
     def keys_for(self, fields: list[tuple[bytes, bytes]]) -> tuple[SigningKey, ...]:
         """The keys that sign a message with these header fields (none: unsigned)."""
@@ -43,6 +53,14 @@ class Signer:
     def sign(self, content: bytes, now: float) -> tuple[bytes, bytes] | None:
         """The signature fields and the content they sign (converted if some hop would
         have changed it), to be stored one after the other; None if no key signs it."""
+        presigned = self.prepare(content, now)
+        if presigned is None:
+            return None
+        private = {key_id: key.private for key_id, key in self.by_id.items()}
+        return fill(presigned.fields, presigned.pending, private), presigned.content
+
+    def prepare(self, content: bytes, now: float) -> Presigned | None:
+        """As sign(), but the signature values left to make (all the rest is done)."""
         end = header_end(content)
         fields = split_fields(content[:end])
         keys = self.keys_for(fields)
@@ -55,8 +73,17 @@ class Signer:
         body = RelaxedBody()
         body.feed(content[end + 2 :])  # after the blank line ("" when there is none)
         digest = body.digest()
-        signatures = b"".join(signature_field(k, fields, digest, int(now)) for k in keys)
-        return signatures, content
+        out: list[bytes] = []
+        pending: list[PendingSignature] = []
+        at = 0
+        for key in keys:
+            unsigned = unsigned_field(key, fields, digest, int(now))
+            at += len(unsigned.field)
+            pending.append(PendingSignature(key.key_id, unsigned.digest, at))
+            value = placeholder(unsigned.size)
+            out += [unsigned.field, value]
+            at += len(value)
+        return Presigned(b"".join(out), content, pending)
 
     def stream(self, header: bytes, now: float) -> StreamSigning | None:
         """For a message whose `header` (as stored, up to the blank line) is stored before

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..dkim.service import SigningService
+from ..dkim.signature import PendingSignature
 from ..logs import get_logger
 from ..model import Message
 from ..spool.store import IncomingMessage, Spool, StorageFull
@@ -309,8 +310,10 @@ class SubmissionProtocol(asyncio.Protocol):
         else:
             self._accept(*future.result())
 
-    def _accept(self, message: Message, content: bytes) -> None:
-        future = self.listener.spool.accept(message, content)
+    def _accept(
+        self, message: Message, content: bytes, pending: list[PendingSignature] | None = None
+    ) -> None:
+        future = self.listener.spool.accept(message, content, pending or [])
         future.add_done_callback(lambda f: self._committed(f, message))
 
     def _stream(self, stream: Stream) -> None:

@@ -32,6 +32,7 @@ from typing import Protocol
 import msgspec
 
 from ..child_process import ChildLink, abandon, start_child
+from ..dkim.signature import PendingSignature
 from ..events.event import Event
 from ..framing import frame
 from ..ids import IdGenerator
@@ -122,6 +123,7 @@ class Spool:
         self.events: dict[str, str] | None = None
         self.last_event = 0  # seq of the newest event in the event log
         self.on_events: Callable[[int], None] | None = None
+        self.signing_keys: dict[str, bytes] = {}  # DKIM key id -> PEM (SigningService.pems)
         self._pending_keys: dict[str, asyncio.Future] = {}
         self._queue: list[tuple[Op, asyncio.Future]] = []
         self._inflight: list[tuple[Op, asyncio.Future]] | None = None
@@ -313,13 +315,17 @@ class Spool:
 
     # -- changes ---------------------------------------------------------------------
 
-    def accept(self, message: Message, content: bytes) -> asyncio.Future:
-        """Make a new message durable; the future yields its queue id.
+    def accept(
+        self, message: Message, content: bytes, signatures: list[PendingSignature] | None = None
+    ) -> asyncio.Future:
+        """Make a new message durable; the future yields its queue id. `signatures`: the
+        DKIM signature values for the writer to make in `content` (their keys' PEMs in
+        `signing_keys`).
 
         A message whose idempotency key was seen within the dedupe window is not
         stored again: the future yields the first message's id.
         """
-        return self._new(Accept(message, content))
+        return self._new(Accept(message, content, signatures or []))
 
     def incoming(self, message: Message, signer: ContentSigner | None = None) -> IncomingMessage:
         """A new message to write as its content arrives (data too large to hold); a
@@ -441,13 +447,14 @@ class Spool:
         if transport is None:
             return
         batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+        keys = self._link.keys_for([op for op, _ in batch], self.signing_keys)
         try:
-            payload = self._encoder.encode(Batch([op for op, _ in batch], self.events))
+            payload = self._encoder.encode(Batch([op for op, _ in batch], self.events, keys))
         except Exception:
             batch = self._encodable(batch)
             if not batch:
                 return
-            payload = self._encoder.encode(Batch([op for op, _ in batch], self.events))
+            payload = self._encoder.encode(Batch([op for op, _ in batch], self.events, keys))
         self._inflight = batch
         transport.write(frame(payload))
 
@@ -651,6 +658,15 @@ class _WriterLink(ChildLink):
     def __init__(self, spool: Spool) -> None:
         super().__init__("spool writer")
         self.spool = spool
+        self.keys_given: set[str] = set()  # DKIM key ids this writer has
+
+    def keys_for(self, ops: list[Op], pems: dict[str, bytes]) -> dict[str, bytes]:
+        """The keys to send with a batch of these ops: those it signs with that this
+        writer has not been given (a new writer is given them again)."""
+        wanted = {p.key_id for op in ops if isinstance(op, Accept) for p in op.signatures}
+        new = {key_id: pems[key_id] for key_id in wanted - self.keys_given if key_id in pems}
+        self.keys_given.update(new)
+        return new
 
     def answered(self, payload: bytes) -> None:
         if self.spool._link is self:

@@ -17,6 +17,11 @@ place; each touched directory is fsynced once; the journal records of the
 round are appended with one fdatasync. A message too large to send over the
 socket comes as a `Place`: the daemon wrote its file as the data arrived, and
 the writer fsyncs it and renames it into place like the others.
+
+An accepted message's DKIM signature values are made here, by the thread that
+writes its file, just before it does: OpenSSL signs without the GIL, so a round's
+RSA signatures are made on both cores, beside the other files' fsyncs (the daemon
+made the rest of each signature field: dkim/service.py).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from pathlib import Path
 
 import msgspec
 
+from ..dkim.keys import PrivateKey, load_private
+from ..dkim.signature import PendingSignature, fill
 from ..events import derive
 from ..events.event import Event, msgpack_encoder
 from ..framing import frame, split_frames
@@ -51,6 +58,8 @@ IO_THREADS = 4
 class Accept(msgspec.Struct, tag=0, array_like=True, frozen=True):
     message: Message
     content: bytes
+    # DKIM signature values to make in `content` before it is written (dkim/service.py).
+    signatures: list[PendingSignature] = []
 
 
 class Update(msgspec.Struct, tag=1, array_like=True, frozen=True):
@@ -99,6 +108,8 @@ class Batch(msgspec.Struct, array_like=True, frozen=True):
     ops: list[Op]
     # None: no events are made; else each class's expiry action, for "expired" events.
     events: dict[str, str] | None = None
+    # DKIM keys (id -> PEM) this writer has not been given yet, for the Accepts' signatures.
+    keys: dict[str, bytes] = {}
 
 
 # An outcome per op: "" = durable, "full:<text>" = no space, "error:<text>" = I/O error.
@@ -148,6 +159,7 @@ class SpoolWriter:
         self.journal = journal.JournalWriter(self.layout.journal)
         self._base_size = 0  # journal size right after the last compaction
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="spool-io")
+        self._keys: dict[str, PrivateKey | str] = {}  # DKIM key id -> key, or why not
         # Merge the segments left by earlier runs, and rewrite a damaged journal. A
         # single whole segment (the last snapshot and what followed it) is left as it
         # is: rewriting a large queue at every start would delay the first answer for
@@ -157,6 +169,15 @@ class SpoolWriter:
             self.compact()
         else:
             self._bury()
+
+    def add_keys(self, pems: dict[str, bytes]) -> None:
+        """DKIM keys to sign with (Batch.keys). One that does not load fails the messages
+        it would sign, not the batch (the daemon checked it: a file changed since?)."""
+        for key_id, pem in pems.items():
+            try:
+                self._keys[key_id] = load_private(pem)
+            except (ValueError, TypeError) as exc:
+                self._keys[key_id] = f"DKIM key {key_id} does not load: {exc}"
 
     def commit(self, ops: list[Op], expire_actions: dict[str, str] | None = None) -> list[str]:
         """Make a batch durable; `expire_actions` given (see Batch.events): with events."""
@@ -286,6 +307,12 @@ class SpoolWriter:
 
     def _write_file(self, op: Accept) -> str:
         """temp file, write, fsync, rename: the file appears whole or not at all."""
+        content = op.content
+        if op.signatures:
+            try:
+                content = fill(content, op.signatures, self._signing_keys(op.signatures))
+            except (KeyError, ValueError) as exc:  # a bug: refused (451), never unsigned
+                return f"{ERROR}cannot sign: {exc}"
         tmp = self.layout.tmp_path(op.message.id)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -293,7 +320,7 @@ class SpoolWriter:
             return _outcome(exc)
         try:
             try:
-                write_all(fd, *file_parts(op.message, op.content))
+                write_all(fd, *file_parts(op.message, content))
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -302,6 +329,15 @@ class SpoolWriter:
             tmp.unlink(missing_ok=True)
             return _outcome(exc)
         return OK
+
+    def _signing_keys(self, signatures: list[PendingSignature]) -> dict[str, PrivateKey]:
+        keys = {}
+        for item in signatures:
+            key = self._keys.get(item.key_id, f"DKIM key {item.key_id} was never given")
+            if isinstance(key, str):
+                raise KeyError(key)
+            keys[item.key_id] = key
+        return keys
 
     def _move_file(self, op: Place) -> str:
         """fsync, rename: the file the daemon wrote appears whole or not at all."""
@@ -419,6 +455,7 @@ def _answer(writer: SpoolWriter, decoder: msgspec.msgpack.Decoder, payload: byte
         return []
     ops = batch.ops
     try:
+        writer.add_keys(batch.keys)
         return writer.commit(ops, batch.events)
     except Exception as exc:
         return [f"{ERROR}spool writer failed: {exc!r}"] * len(ops)
