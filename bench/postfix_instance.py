@@ -102,6 +102,9 @@ anvil     unix  -       -       n       -       1       anvil
 scache    unix  -       -       n       -       1       scache
 postlog   unix-dgram n  -       n       -       1       postlogd
 """
+# smtpd's TLS needs it (without: "no entropy for TLS key generation: disabling TLS support",
+# and 454 4.7.0 to STARTTLS).
+TLSMGR = "tlsmgr    unix  -       -       n       1000?   1       tlsmgr\n"
 
 
 def postfix_available() -> bool:
@@ -243,6 +246,8 @@ class PostfixInstance:
     lines (``tlsmgr``, which smtpd's TLS needs, say). ``maillog=False`` sends Postfix's
     log to /dev/null instead of ``WORKDIR/maillog``. ``cleanup`` removes what the instance
     created in ``workdir`` (and ``workdir`` itself when that leaves it empty) on stop.
+    ``tls_cert`` and ``tls_key`` (PEM files) make smtpd offer STARTTLS with them
+    (``smtpd_tls_security_level = may``, sessions logged at ``smtpd_tls_loglevel = 1``).
     """
 
     def __init__(
@@ -259,6 +264,8 @@ class PostfixInstance:
         maillog: bool = True,
         cleanup: bool = True,
         start_timeout: float = 60.0,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
         self.workdir = Path(workdir).absolute()
         self.listen = listen
@@ -271,6 +278,11 @@ class PostfixInstance:
         self._maillog_enabled = maillog
         self._extra = dict(main_cf or {})
         self._services = services
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        self._tls = (str(tls_cert), str(tls_key)) if tls_cert is not None else None
+        if self._tls and TLSMGR not in services:
+            self._services += TLSMGR
         self._cleanup = cleanup
         self._start_timeout = start_timeout
         self._running = False
@@ -464,6 +476,13 @@ class PostfixInstance:
                 "smtpd_relay_restrictions": "reject_unauth_destination",
                 "smtpd_recipient_restrictions": policy,
                 "smtpd_client_event_limit_exceptions": "",  # anvil limits apply to loopback
+            }
+        if self._tls is not None:
+            params |= {
+                "smtpd_tls_cert_file": self._tls[0],
+                "smtpd_tls_key_file": self._tls[1],
+                "smtpd_tls_security_level": "may",
+                "smtpd_tls_loglevel": "1",
             }
         params.update(self._extra)
         return params

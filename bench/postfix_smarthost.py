@@ -38,15 +38,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import free_port, stop_process, work_directory  # noqa: E402
-from postfix_instance import PostfixInstance, postfix_available  # noqa: E402
+from postfix_instance import TLSMGR, PostfixInstance, postfix_available  # noqa: E402
 
 # Postfix binds only addresses an interface has (lo: 127.0.0.1), on a free port.
 SMARTHOST = "127.0.0.1"
 USER, PASSWORD, REALM = "acct", "s3cret-relay", "smarthost.test"
 SASLPASSWD2 = "/usr/sbin/saslpasswd2"
-# smtpd's TLS needs it (without: "no entropy for TLS key generation: disabling TLS support",
-# and 454 4.7.0 to STARTTLS, which mtaqueue defers rather than go on in clear text).
-TLSMGR = "tlsmgr    unix  -       -       n       1000?   1       tlsmgr\n"
 
 
 def make_certificate(directory: Path) -> tuple[Path, Path]:

@@ -58,11 +58,14 @@ def _free_udp_tcp_port(host: str) -> int:
 
 
 class UnboundInstance:
-    def __init__(self, workdir: Path, zones: dict[str, list[str]], host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, workdir: Path, zones: dict[str, list[str]], host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        """`port` 0: a free one, picked at the first start and kept by restart()."""
         self.dir = Path(workdir) / "unbound"
         self.zones = zones
         self.host = host
-        self.port = 0
+        self.port = port
         self.process: subprocess.Popen | None = None
 
     @property
@@ -104,7 +107,7 @@ class UnboundInstance:
 
     def start(self, timeout: float = 10.0) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_udp_tcp_port(self.host)
+        self.port = self.port or _free_udp_tcp_port(self.host)
         conf = self.dir / "unbound.conf"
         conf.write_text(self.config())
         checked = subprocess.run(
@@ -143,6 +146,14 @@ class UnboundInstance:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+    def restart(self, zones: dict[str, list[str]] | None = None) -> None:
+        """Stop, then start with `zones` (default: the same) on the same address, so that
+        a client's dns.nameservers still point at it. The log goes on (appended)."""
+        self.stop()
+        if zones is not None:
+            self.zones = zones
+        self.start()
 
     def log(self) -> str:
         path = self.dir / "unbound.log"

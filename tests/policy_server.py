@@ -62,6 +62,13 @@ class TestCa:
 
     def server_context(self, *names: str) -> ssl.SSLContext:
         """A server-side TLS context with a certificate for `names` signed by this CA."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*self.issue(*names))
+        return context
+
+    def issue(self, *names: str) -> tuple[Path, Path]:
+        """PEM files (certificate, key) for `names` (and 127.0.0.1) signed by this CA, in
+        its directory: for servers that read files (Postfix, openssl s_server)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         sans: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
@@ -81,9 +88,7 @@ class TestCa:
         key_path = self.directory / f"{names[0]}.key"
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         key_path.write_bytes(_pem_key(key))
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(cert_path, key_path)
-        return context
+        return cert_path, key_path
 
 
 def policy_text(mode: str, *mx: str, max_age: int = 86400) -> str:
