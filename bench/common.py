@@ -84,8 +84,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """True when something already accepts connections on host:port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """True when something already accepts connections on host:port (IPv4 or IPv6)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.settimeout(1)
         return sock.connect_ex((host, port)) == 0
 

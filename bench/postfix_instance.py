@@ -61,7 +61,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from common import stop_process
 
@@ -113,10 +113,11 @@ def postfix_available() -> bool:
     return os.geteuid() == 0 and all(os.access(t, os.X_OK) for t in tools)
 
 
-def parse_loopback(address: str) -> tuple[str, int]:
+def parse_loopback(address: str, ipv6: bool = False) -> tuple[str, int]:
     """``"127.0.0.1:2625"`` or ``"[127.0.0.1]:2625"`` -> ``("127.0.0.1", 2625)``.
 
-    Only IPv4 loopback addresses are accepted (the instance runs with inet_protocols = ipv4).
+    Only IPv4 loopback addresses are accepted, and with ``ipv6`` also ``"[::1]:2625"``
+    (an instance listening there runs with inet_protocols = all).
     """
     host, sep, port = address.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
@@ -126,13 +127,18 @@ def parse_loopback(address: str) -> tuple[str, int]:
         ip = ipaddress.ip_address(host)
     except ValueError:
         raise ValueError(f"expected a literal loopback IPv4 address, got {address!r}") from None
-    if ip.version != 4 or not ip.is_loopback:
-        raise ValueError(f"only IPv4 loopback addresses (127.0.0.0/8) may be used: {address!r}")
+    if not ip.is_loopback or (ip.version != 4 and not ipv6):
+        allowed = "127.0.0.0/8 or ::1" if ipv6 else "IPv4 loopback addresses (127.0.0.0/8)"
+        raise ValueError(f"only {allowed} may be used: {address!r}")
     return str(ip), int(port)
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Postfix's master does
         try:
             s.bind((host, port))
@@ -153,7 +159,7 @@ def _wait_banner(host: str, port: int, timeout: float) -> None:
     last: Exception | str = "no answer"
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((host, port), timeout=2) as s:
+            with socket.create_connection((host, port), timeout=2) as s:  # either family
                 greeting = s.recv(512)
                 if greeting.startswith(b"220"):
                     s.sendall(b"QUIT\r\n")
@@ -243,11 +249,18 @@ class PostfixInstance:
 
     ``relay`` (HOST:PORT of an SMTP sink) is required in relay mode. ``main_cf`` adds or
     overrides main.cf parameters (for tuning experiments); ``services`` adds master.cf
-    lines (``tlsmgr``, which smtpd's TLS needs, say). ``maillog=False`` sends Postfix's
-    log to /dev/null instead of ``WORKDIR/maillog``. ``cleanup`` removes what the instance
-    created in ``workdir`` (and ``workdir`` itself when that leaves it empty) on stop.
-    ``tls_cert`` and ``tls_key`` (PEM files) make smtpd offer STARTTLS with them
-    (``smtpd_tls_security_level = may``, sessions logged at ``smtpd_tls_loglevel = 1``).
+    lines (``tlsmgr``, which smtpd's TLS needs, say). ``also_listen`` are further smtpd
+    addresses (``"[::1]:2625"`` too: then inet_protocols = all). ``client_access`` maps
+    client CIDRs to access(5) actions (``{"127.0.0.12/32": "REJECT listed"}``), checked
+    first at RCPT (``smtpd_client_restrictions = check_client_access cidr:...``).
+    ``reply_lines`` maps a regexp to further lines for the 4xx/5xx replies it matches
+    (``smtpd_reject_footer_maps``): a refusal of several lines, as Gmail's (smtpd logs
+    the first line only).
+    ``maillog=False`` sends Postfix's log to /dev/null instead of ``WORKDIR/maillog``.
+    ``cleanup`` removes what the instance created in ``workdir`` (and ``workdir`` itself
+    when that leaves it empty) on stop. ``tls_cert`` and ``tls_key`` (PEM files) make
+    smtpd offer STARTTLS with them (``smtpd_tls_security_level = may``, sessions logged at
+    ``smtpd_tls_loglevel = 1``).
     """
 
     def __init__(
@@ -259,6 +272,9 @@ class PostfixInstance:
         *,
         domains: tuple[str, ...] = (),
         policy: str | None = None,
+        also_listen: tuple[str, ...] = (),
+        client_access: Mapping[str, str] | None = None,
+        reply_lines: Mapping[str, tuple[str, ...]] | None = None,
         main_cf: Mapping[str, str] | None = None,
         services: str = "",
         maillog: bool = True,
@@ -270,6 +286,9 @@ class PostfixInstance:
         self.workdir = Path(workdir).absolute()
         self.listen = listen
         self.host, self.port = parse_loopback(listen)
+        self.addresses = [(self.host, self.port), *(parse_loopback(a, True) for a in also_listen)]
+        self.client_access = dict(client_access or {})
+        self.reply_lines = dict(reply_lines or {})
         self.name = f"pfbench-{self.port}"
         self.config_dir = self.workdir / "conf"
         self.queue_dir = self.workdir / "queue"
@@ -316,8 +335,8 @@ class PostfixInstance:
         if not postfix_available():
             raise RuntimeError("postfix, postqueue, smtp-source, smtp-sink and root are needed")
         self._stop_stale()
-        if not _port_free(self.host, self.port):
-            raise RuntimeError(f"{self.listen} is already in use")
+        if busy := [f"{h}:{p}" for h, p in self.addresses if not _port_free(h, p)]:
+            raise RuntimeError(f"{', '.join(busy)} already in use")
         ours = self._paths()
         if not (self.workdir / MARKER).exists() and any(p.exists() for p in ours):
             raise RuntimeError(
@@ -338,7 +357,8 @@ class PostfixInstance:
             # post-install create-missing (run by "postfix start") creates queue/ subdirs and
             # data/ with the right owners (postfix, postdrop) from /etc/postfix/postfix-files.
             self._postfix("start", timeout=self._start_timeout)
-            _wait_banner(self.host, self.port, self._start_timeout)
+            for host, port in self.addresses:
+                _wait_banner(host, port, self._start_timeout)
         except BaseException:
             self.stop()
             raise
@@ -360,7 +380,7 @@ class PostfixInstance:
     def _wait_port_free(self, timeout: float = 10.0) -> None:
         # smtpd children hold the listening socket until they notice master is gone.
         deadline = time.monotonic() + timeout
-        while not _port_free(self.host, self.port) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not all(_port_free(*a) for a in self.addresses):
             time.sleep(0.05)
 
     def _paths(self) -> list[Path]:
@@ -447,8 +467,8 @@ class PostfixInstance:
             "myhostname": f"{self.name}.localdomain",
             "mydomain": "localdomain",
             "myorigin": "$myhostname",
-            "inet_interfaces": self.host,
-            "inet_protocols": "ipv4",
+            "inet_interfaces": ", ".join(f"[{h}]" if ":" in h else h for h, _ in self.addresses),
+            "inet_protocols": "all" if any(":" in h for h, _ in self.addresses) else "ipv4",
             "mydestination": "",
             "mynetworks": "127.0.0.0/8",
             "smtpd_relay_restrictions": "permit_mynetworks, reject",
@@ -484,12 +504,30 @@ class PostfixInstance:
                 "smtpd_tls_security_level": "may",
                 "smtpd_tls_loglevel": "1",
             }
+        if self.client_access:
+            cidr = self.config_dir / "client_access.cidr"
+            params["smtpd_client_restrictions"] = f"check_client_access cidr:{cidr}"
+        if self.reply_lines:
+            params["smtpd_reject_footer_maps"] = f"regexp:{self.config_dir / 'reply_lines.regexp'}"
         params.update(self._extra)
         return params
 
     def _write_config(self) -> None:
         main = "".join(f"{k} = {v}\n" for k, v in self.main_cf().items())
-        smtpd = f"{self.host}:{self.port} inet n - n - - smtpd\n"
+        smtpd = "".join(
+            f"{f'[{h}]' if ':' in h else h}:{p} inet n - n - - smtpd\n" for h, p in self.addresses
+        )
+        if self.client_access:  # cidr: tables are read as they are, no postmap
+            (self.config_dir / "client_access.cidr").write_text(
+                "".join(f"{net} {action}\n" for net, action in self.client_access.items())
+            )
+        if self.reply_lines:  # "\c": no empty line between the reply and its footer
+            (self.config_dir / "reply_lines.regexp").write_text(
+                "".join(
+                    f"/{pattern}/ \\c" + "".join(f"\\n{line}" for line in lines) + "\n"
+                    for pattern, lines in self.reply_lines.items()
+                )
+            )
         (self.config_dir / "main.cf").write_text(
             "# generated by bench/postfix_instance.py\n" + main
         )
@@ -510,7 +548,8 @@ class PostfixInstance:
             self._postfix("stop", timeout=30)
             self._wait_port_free()
             self._postfix("start", timeout=self._start_timeout)
-            _wait_banner(self.host, self.port, self._start_timeout)
+            for host, port in self.addresses:
+                _wait_banner(host, port, self._start_timeout)
 
     # -- commands ------------------------------------------------------------------------------
 
@@ -696,6 +735,12 @@ class Postgrey:
 
 
 _LOG_TIME = re.compile(r"^(\w{3} +\d+ [\d:.]+) ")
+# smtpd's lines about a client: "connect from unknown[::1]", "QUEUEID: client=unknown[IP]",
+# "NOQUEUE: reject: RCPT from unknown[IP]: ...", "NOQUEUE: permit: RCPT from ...".
+_CLIENT_EVENT = re.compile(
+    r": (?:\w+: )?(?P<what>connect|client|reject|permit)(?: from |=|: \w+ from )"
+    r"[^\s\[]*\[(?P<ip>[0-9A-Fa-f:.]+)\]"
+)
 
 
 def _log_time(line: str, year: int) -> float | None:
@@ -715,13 +760,35 @@ def received(maillog: Path) -> dict[str, object]:
     messages as ``[(time, message-id)]`` (cleanup's ``message-id=`` line, written once a
     message is being queued), and the refusals counted by reply (digits and addresses
     replaced: ``450 4.7.1 Error: too much mail from N.N.N.N``) and by command, and the
-    greylisting refusals by recipient."""
+    greylisting refusals by recipient.
+
+    By client IP, ``clients``: its ``connections``, ``messages`` queued (smtpd's
+    ``client=`` line), ``refused`` replies, and the ``helo`` names its reject lines gave
+    (and its permit lines, with ``smtpd_log_access_permit_actions = static:all``); and
+    ``sessions``, every connect, refusal (its whole reply) and queued message in log
+    order, as ``(time, "connect" | "reject" | "queued", client, text)``."""
     year = time.localtime().tm_year
     accepted: list[tuple[float, str]] = []
     refusals: dict[str, int] = {}
     by_command: dict[str, int] = {}
     greylisted: dict[str, int] = {}  # recipient -> greylisting refusals
+    clients: dict[str, dict[str, Any]] = {}
+    sessions: list[tuple[float, str, str, str]] = []
+
+    counted = {"connect": "connections", "queued": "messages", "reject": "refused"}
     for line in maillog.read_text(errors="replace").splitlines():
+        if "/smtpd[" in line and (m := _CLIENT_EVENT.search(line)):
+            ip = m["ip"]
+            about = clients.setdefault(ip, {name: 0 for name in counted.values()} | {"helo": set()})
+            if helo := re.search(r" helo=<([^>]*)>", line):
+                about["helo"].add(helo[1])
+            kind = "queued" if m["what"] == "client" else m["what"]
+            if kind in counted:
+                about[counted[kind]] += 1
+                text = ""
+                if kind == "reject":  # the reply, without smtpd's "; from=<...> ..." after it
+                    text = line.split(f"[{ip}]: ", 1)[1].split("; from=<", 1)[0]
+                sessions.append((_log_time(line, year) or 0.0, kind, ip, text))
         if "/cleanup[" in line and " message-id=" in line:
             t = _log_time(line, year)
             if t is not None:
@@ -748,6 +815,8 @@ def received(maillog: Path) -> dict[str, object]:
         "refusals": refusals,
         "by_command": by_command,
         "greylisted": greylisted,
+        "clients": clients,
+        "sessions": sessions,
     }
 
 

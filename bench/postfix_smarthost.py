@@ -117,18 +117,29 @@ def postfix_settings(cert: Path, key: Path) -> dict[str, str]:
 
 
 class Mtaqueue:
-    """This tree's daemon, its JSON log read in a thread."""
+    """This tree's daemon, its JSON log read in a thread. `config`: a config file (the
+    shipped one, say) under the overrides. `retry`: the retry schedule to impose (None:
+    the config's)."""
 
-    def __init__(self, workdir: Path, *overrides: str) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *overrides: str,
+        config: Path | None = None,
+        retry: str | None = '["3s", "6s"]',
+    ) -> None:
         self.events: list[dict] = []
         self.port = 0
+        self.spool = workdir / "spool"
         env = {**os.environ, "PYTHONPATH": str(HERE.parent)}  # this tree, not an installed copy
         args = [sys.executable, "-m", "mtaqueue.daemon"]
+        if config is not None:
+            args += ["-c", str(config)]
         for item in (
-            f"spool.path={workdir / 'spool'}",
+            f"spool.path={self.spool}",
             "listen.address=127.0.0.1:0",
             "listen.hostname=mtaqueue.test",
-            'retry.schedule=["3s", "6s"]',
+            *([f"retry.schedule={retry}"] if retry is not None else []),
             *overrides,
         ):
             args += ["-o", item]
@@ -171,6 +182,15 @@ class Mtaqueue:
                 [f"user{n}@example.org", f"user{n}@example.net"],  # two domains, one relay
                 body.encode() + b"your code is 123456\r\n",
             )
+
+    def ctl(self, *args: str) -> str:
+        """`mtaqueue-ctl ARGS` (this tree's) on the daemon's control socket: its output."""
+        return subprocess.run(
+            [sys.executable, "-m", "mtaqueue.control.ctl", "-s", str(self.spool / "control.sock"),
+             *args],
+            capture_output=True, text=True, check=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": str(HERE.parent)},
+        ).stdout  # fmt: skip
 
     def stop(self) -> None:
         stop_process(self.proc, 30)
