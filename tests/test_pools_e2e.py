@@ -102,6 +102,45 @@ def test_a_blocklisted_source_leaves_that_destination_while_the_other_delivers(n
     assert refused() == before
 
 
+# -- host suspensions per (source, host) (policy/hosts.py) ----------------------------------
+
+
+def test_a_host_that_refuses_one_source_is_still_tried_from_the_other(net, start_daemon):
+    (peer,) = net.peers
+    refusal = f"554 5.7.1 {A}: no SMTP service for your address"
+    peer.on("banner", lambda ctx: refusal if ctx.client_ip == A else None)
+    # Long enough that mail waiting for a suspension shared with A would fail the test.
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, *POOL, "delivery.host_suspend=1h")
+    for i in range(10):
+        daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+    received = peer.wait_messages(10, timeout=20)
+    assert {m.client_ip for m in received} == {B}
+    (suspended,) = events(daemon, "host_suspended")
+    assert suspended["source"] == A and suspended["every_source"] is False
+    assert suspended["host"] == "mx.example.org"
+    # The mail A failed with went to B at its retry; none waits for the host's release.
+    wait_for(lambda: not daemon.messages(), what="the queue empty")
+    assert sum(e.phase == "banner" and e.client_ip == A for e in peer.log) == 1
+    mx = f"mx.example.org:{peer.port}"
+    shown = destinations(daemon)
+    assert list(shown[f"{mx}@{A}"]["suspended_hosts"]) == [mx]
+    assert shown[f"{mx}@{B}"]["suspended_hosts"] == {}
+
+
+def test_a_host_down_for_both_sources_is_down_for_every_source(net, start_daemon):
+    (peer,) = net.peers
+    peer.refuse_connections()
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, *POOL)
+    for i in range(4):
+        daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+    daemon.send("app@sender.test", ["reset@example.org"], P0)  # the default source
+    down = wait_for(lambda: [e for e in events(daemon, "host_suspended") if e["every_source"]])
+    assert {e["source"] for e in events(daemon, "host_suspended")} >= {A, B} - {down[0]["source"]}
+    peer.resume()  # back up: everything goes once the suspension ends (3 s)
+    received = peer.wait_messages(5, timeout=30)
+    assert {m.client_ip for m in received} >= {A, B}
+
+
 # -- IPv6 and IPv4 (the test DNS publishes both for mx.example.org: ::1 and 127.0.0.2) ----
 
 GMAIL_IPV6 = (

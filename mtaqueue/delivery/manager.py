@@ -689,7 +689,11 @@ class DeliveryManager:
         self._log_ramps()
 
     def _source_for(self, pool: Pool, base: str, route: Route, now: float) -> Source | None:
+        """The pool's source for mail to `base`: of those that may reach one of its hosts
+        (host suspensions are per source), if any may; else of them all (the mail then
+        waits for a host's release, as for one source)."""
         families = self.egress.families(base, _addresses(route), now)
+        reach = [s for s in pool.sources if not self.sender.all_suspended(route, now, s)]
 
         def load(source: Source) -> int:
             key = sourced(base, source)
@@ -703,7 +707,7 @@ class DeliveryManager:
             destination = self.destinations.get(sourced(base, source))
             return 0 if destination is None else len(destination.waiting & self._busy.keys())
 
-        return self.egress.choose(pool.sources, base, families, load, now, placed)
+        return self.egress.choose(reach or pool.sources, base, families, load, now, placed)
 
     def _no_source(self, item: WorkItem, pool: Pool, base: str, now: float) -> None:
         """No source of the pool may send to `base`: every one of the families it has is
@@ -781,7 +785,7 @@ class DeliveryManager:
             destination = self.destinations[action.destination]
             message = self.spool.messages.get(item.message_id)
             families = self._families(destination, item.route, now)
-            candidates = self.sender.candidates(item.route, now, families)
+            candidates = self.sender.candidates(item.route, now, families, destination.source)
             if message is None or message.held or isinstance(candidates, Suspended):
                 self._act(self._core.abandon(now, action.conn))
                 if isinstance(candidates, Suspended) and message is not None:
@@ -877,7 +881,7 @@ class DeliveryManager:
             self._done(conn, link, [])
             return
         families = self._families(destination, item.route, time.time())
-        if not self.sender.fits(link.conn, item.route, time.time(), families):
+        if not self.sender.fits(link.conn, item.route, time.time(), families, destination.source):
             # An idle connection to a host since suspended, or not of this route: the
             # item goes back to its queue and waits for a connection of its own.
             self._done(conn, link, [], reusable=False)
@@ -894,7 +898,7 @@ class DeliveryManager:
         try:
             results = await self.sender.transaction(link.conn, message, item.indexes, content)
             host = link.candidates[link.tried - 1][0]  # the one this connection went to
-            self.sender.judge_host(host, item.route.port, link.conn.ip, results)
+            self.sender.judge_host(host, item.route.port, link.conn.ip, results, destination.source)
         except Exception as exc:
             log.exception("attempt_failed", id=item.message_id)
             link.conn.abort()
@@ -1459,13 +1463,18 @@ class DeliveryManager:
     def domains(self) -> list[dict]:
         """The live destinations' state (for metrics; `view` adds the waiting mail)."""
         now = time.time()
-        suspended = self.hosts.snapshot(now)
+        by_source: dict[Source | None, dict[str, float]] = {}  # hosts suspended for each
         core = self._core
-        return [
-            d.snapshot(now, suspended, core.waiting(d.key), core.slots(d.key)[0])
-            | self.egress.snapshot(d.base, d.source, now)
-            for d in self.destinations.values()
-        ]
+        entries = []
+        for d in self.destinations.values():
+            if d.source not in by_source:
+                by_source[d.source] = self.sender.suspended_hosts(now, d.source)
+            suspended = by_source[d.source]
+            entries.append(
+                d.snapshot(now, suspended, core.waiting(d.key), core.slots(d.key)[0])
+                | self.egress.snapshot(d.base, d.source, now)
+            )
+        return entries
 
     async def view(self) -> list[dict]:
         """`mtaqueue-ctl domains`: every destination with waiting mail or state to show."""
