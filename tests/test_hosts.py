@@ -153,6 +153,83 @@ def test_a_long_streak_does_not_overflow():
     assert fail_at_each_release(hosts, "mx1", 2000)[-1] == MAX
 
 
+# -- per (source, host) ------------------------------------------------------------------------
+
+A, B, C = "192.0.2.11", "192.0.2.12", "192.0.2.13"
+REFUSED = Reply("connect", 0, network="refused")
+TIMEOUT = Reply("banner", 0, network="timeout")
+NOT_YOU = Reply("banner", 554, "5.7.1", f"{A} no SMTP service for you")
+
+
+def test_a_host_that_answers_one_source_with_a_refusal_is_suspended_for_it_alone(hosts):
+    until = hosts.failed("mx1", 0.0, NOT_YOU, source=A)
+    assert until == 60.0 and hosts.suspended("mx1", 10.0, A)
+    assert not hosts.suspended("mx1", 10.0, B) and not hosts.suspended("mx1", 10.0)
+    assert hosts.available(["mx1", "mx2"], 10.0, B) == ["mx1", "mx2"]
+    assert (
+        hosts.next_release(["mx1"], 10.0, A) == 60.0
+        and hosts.next_release(["mx1"], 10.0, B) is None
+    )
+    assert hosts.reason("mx1", A) == NOT_YOU and hosts.reason("mx1", B) is None
+    assert hosts.snapshot(10.0, A) == {"mx1": 60.0} and hosts.snapshot(10.0, B) == {}
+    # Another source answered too: still each its own, never the host for all.
+    hosts.failed("mx1", 5.0, Reply("banner", 554, "", f"{B} go away"), source=B)
+    hosts.failed("mx1", 6.0, REFUSED, source=C)
+    assert not hosts.suspended("mx1", 10.0) and not hosts.suspended("mx1", 10.0, "192.0.2.14")
+
+
+def test_a_host_silent_to_two_sources_is_down_for_every_source(hosts):
+    hosts.failed("mx1", 0.0, REFUSED, source=A)
+    assert not hosts.suspended("mx1", 1.0, B)  # one address refused: perhaps only it
+    until = hosts.failed("mx1", 1.0, TIMEOUT, source=B)
+    assert until == 61.0
+    for source in (C, ""):  # sources yet to try it skip it
+        assert hosts.until("mx1", 2.0, source) == 61.0
+        assert hosts.reason("mx1", source) == TIMEOUT
+    assert hosts.until("mx1", 2.0, A) == 61.0  # the later of its own and the host's
+    # Connections in flight when it broke: the same outage, not a longer one.
+    assert hosts.failed("mx1", 3.0, REFUSED, source=C) == 61.0
+    # Still down after its release: the streak doubles for every source.
+    hosts.failed("mx1", 61.0, REFUSED, source=A)
+    hosts.failed("mx1", 62.0, REFUSED, source=C)
+    assert hosts.until("mx1", 63.0, "192.0.2.14") == 62.0 + 2 * BASE
+
+
+def test_a_success_from_any_source_ends_the_outage_but_not_anothers_refusal(hosts):
+    hosts.failed("mx1", 0.0, NOT_YOU, source=A)
+    hosts.failed("mx1", 0.0, REFUSED, source=B)
+    hosts.failed("mx1", 0.0, REFUSED, source=C)
+    assert hosts.suspended("mx1", 1.0, "")
+    hosts.succeeded("mx1", source="")
+    assert not hosts.suspended("mx1", 1.0, "") and not hosts.suspended("mx1", 1.0, "x")
+    assert hosts.suspended("mx1", 1.0, A) and hosts.suspended("mx1", 1.0, B)
+    hosts.succeeded("mx1", source=A)
+    assert not hosts.suspended("mx1", 1.0, A) and hosts.suspended("mx1", 1.0, B)
+    assert len(hosts) == 1
+
+
+def test_the_quorum_is_of_suspensions_running_at_once(hosts):
+    hosts.failed("mx1", 0.0, REFUSED, source=A)  # until 60
+    hosts.failed("mx1", 60.0, REFUSED, source=B)  # A's is over
+    assert not hosts.suspended("mx1", 61.0, C)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([A, B, C, ""]), st.sampled_from([REFUSED, TIMEOUT, NOT_YOU])),
+        max_size=20,
+    ),
+    st.floats(0, 200),
+)
+def test_a_source_that_never_failed_is_kept_only_by_a_host_silent_to_two_others(failures, later):
+    hosts = HostSuspensions(BASE, MAX)
+    for i, (source, reply) in enumerate(failures):
+        hosts.failed("mx1", float(i), reply, source)
+    silent_to = {source for source, reply in failures if reply.code == 0}
+    if len(silent_to) < 2:
+        assert not hosts.suspended("mx1", len(failures) + later, "192.0.2.99")
+
+
 # -- properties -------------------------------------------------------------------------------
 
 times = st.floats(0, 1e9, allow_nan=False)

@@ -102,6 +102,45 @@ def test_a_blocklisted_source_leaves_that_destination_while_the_other_delivers(n
     assert refused() == before
 
 
+# -- host suspensions per (source, host) (policy/hosts.py) ----------------------------------
+
+
+def test_a_host_that_refuses_one_source_is_still_tried_from_the_other(net, start_daemon):
+    (peer,) = net.peers
+    refusal = f"554 5.7.1 {A}: no SMTP service for your address"
+    peer.on("banner", lambda ctx: refusal if ctx.client_ip == A else None)
+    # Long enough that mail waiting for a suspension shared with A would fail the test.
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, *POOL, "delivery.host_suspend=1h")
+    for i in range(10):
+        daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+    received = peer.wait_messages(10, timeout=20)
+    assert {m.client_ip for m in received} == {B}
+    (suspended,) = events(daemon, "host_suspended")
+    assert suspended["source"] == A and suspended["every_source"] is False
+    assert suspended["host"] == "mx.example.org"
+    # The mail A failed with went to B at its retry; none waits for the host's release.
+    wait_for(lambda: not daemon.messages(), what="the queue empty")
+    assert sum(e.phase == "banner" and e.client_ip == A for e in peer.log) == 1
+    mx = f"mx.example.org:{peer.port}"
+    shown = destinations(daemon)
+    assert list(shown[f"{mx}@{A}"]["suspended_hosts"]) == [mx]
+    assert shown[f"{mx}@{B}"]["suspended_hosts"] == {}
+
+
+def test_a_host_down_for_both_sources_is_down_for_every_source(net, start_daemon):
+    (peer,) = net.peers
+    peer.refuse_connections()
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, *POOL)
+    for i in range(4):
+        daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+    daemon.send("app@sender.test", ["reset@example.org"], P0)  # the default source
+    down = wait_for(lambda: [e for e in events(daemon, "host_suspended") if e["every_source"]])
+    assert {e["source"] for e in events(daemon, "host_suspended")} >= {A, B} - {down[0]["source"]}
+    peer.resume()  # back up: everything goes once the suspension ends (3 s)
+    received = peer.wait_messages(5, timeout=30)
+    assert {m.client_ip for m in received} >= {A, B}
+
+
 # -- IPv6 and IPv4 (the test DNS publishes both for mx.example.org: ::1 and 127.0.0.2) ----
 
 GMAIL_IPV6 = (
@@ -212,3 +251,67 @@ def test_over_the_allowance_mail_waits_uncharged_and_a_restart_keeps_the_count(n
     assert len(peer.messages) == 2 and {r["attempts"] for r in waiting()} == {0}
     shown = daemon.ctl("domains")
     assert "step 1/1: sent today 2 of 2" in shown.stdout
+
+
+def ramps(daemon, *args: str) -> list[dict]:
+    result = daemon.ctl("warmup", *args, "--json")
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_an_operator_finishes_a_ramp_and_restarts_it(net, start_daemon):
+    (peer,) = net.peers
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, *warming("[2, 100]"))
+    for i in range(4):
+        daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+    assert {m.client_ip for m in peer.wait_messages(2)} == {A}
+    wait_for(lambda: len(events(daemon, "warmup_wait")) == 2, what="the surplus waiting")
+    base = f"mx.example.org:{peer.port}"
+    (ramp,) = ramps(daemon, "show")
+    assert ramp == {
+        "source": A,
+        "destination": base,
+        "step": 1,
+        "steps": 2,
+        "allowance": 2,
+        "sent_today": 2,
+        "deferred_today": 0,
+        "held": False,
+        "last_rate": 0.0,
+    }
+
+    # Finished (named by a domain it serves): no limit, and the mail that waited for the
+    # next day goes now, with more after it.
+    (done,) = ramps(daemon, "finish", A, "--destination", "example.org")
+    assert done["destination"] == base and done["step"] == 3 and done["allowance"] is None
+    (logged,) = wait_for(lambda: events(daemon, "warmup_finished"))
+    assert logged["source"] == A and logged["base"] == base and logged["allowance"] is None
+    peer.wait_messages(4)
+    for i in range(3):
+        daemon.send("app@sender.test", [f"more{i}@example.org"], P2)
+    peer.wait_messages(7)
+    assert len(events(daemon, "warmup_wait")) == 2
+
+    # Restarted (every destination of the source): the first step's allowance again, and
+    # today's 7 count against it, so new mail waits for the next day.
+    (again,) = ramps(daemon, "restart", A)
+    assert again["step"] == 1 and again["allowance"] == 2
+    wait_for(lambda: ramps(daemon, "show", A)[0]["sent_today"] == 7)
+    (restarted,) = wait_for(lambda: events(daemon, "warmup_restarted"))
+    assert restarted["step"] == 1 and restarted["allowance"] == 2
+    daemon.send("app@sender.test", ["late@example.org"], P2)
+    wait_for(lambda: len(events(daemon, "warmup_wait")) == 3, what="new mail waiting")
+    assert len(peer.messages) == 7
+
+    # Kept in egress.json: a restart of the daemon keeps the first step.
+    daemon.restart()
+    (kept,) = ramps(daemon, "show")
+    assert kept["step"] == 1 and kept["allowance"] == 2 and kept["sent_today"] == 7
+    assert "step 1/2: sent today 7 of 2" in daemon.ctl("warmup", "show").stdout
+    time.sleep(1.0)  # the waiting message is placed again: it still waits
+    assert len(peer.messages) == 7
+
+    # What names no ramp is refused in one line.
+    for args in (("finish", "127.0.0.99"), ("restart", A, "--destination", "nowhere.test")):
+        result = daemon.ctl("warmup", *args)
+        assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr

@@ -134,3 +134,51 @@ def test_a_source_table_names_its_schedule_which_must_grow() -> None:
     for bad in ("[5, 5]", "[0, 5]", "[50, 5]"):
         with pytest.raises(config.ConfigError, match=r"pools.b.sources\[0\].warmup: use incr"):
             config.load(None, [f'pools.b.sources=[{{address = "::1", warmup = {bad}}}]'])
+
+
+# -- an operator's restart and finish (mtaqueue-ctl warmup) ------------------------------------
+
+
+def test_a_restart_goes_back_to_the_first_step_and_today_still_counts() -> None:
+    warmups = Warmups()
+    send(warmups, T0, 2)
+    send(warmups, T0 + DAY, 5)
+    send(warmups, T0 + 2 * DAY, 1)  # day 3: step 3 (10 a day), 1 sent
+    ramp = warmups.move(MX, NEW, T0 + 2 * DAY + 60, to_first=True)
+    assert ramp == warmup.Ramp(step=0, day=20_002, sent=1, deferred=0, rate=0.0, held=False)
+    assert warmups.left(MX, NEW, T0 + 2 * DAY + 120) == 1  # the first step's 2, less today's 1
+    assert warmups.left(MX, NEW, T0 + 3 * DAY) == 5  # and it ramps again from there
+    assert warmups.bases(NEW.address) == [MX] and warmups.bases(WARM.address) == []
+
+
+def test_a_restart_after_a_day_end_rolls_first() -> None:
+    held = warmup.Ramp(step=1, day=20_000, sent=8, deferred=2, rate=0.2, held=True)
+    again = warmup.restart(held, NEW.warmup, T0 + DAY)
+    assert again == warmup.Ramp(step=0, day=20_001)  # yesterday's counts are yesterday's
+
+
+def test_a_finished_ramp_is_warm_keeps_the_day_and_survives_a_restart() -> None:
+    egress = EgressState()
+    send(egress.warmup, T0, 2)
+    assert egress.warmup.left(MX, NEW, T0) == 0
+    ramp = egress.warmup.move(MX, NEW, T0 + 60, to_first=False)
+    assert ramp.step == len(NEW.warmup) and ramp.sent == 2 and not ramp.held
+    assert egress.warmup.left(MX, NEW, T0 + 60) is None
+    again = EgressState()
+    again.restore(egress.encode(T0 + 60))
+    shown = again.snapshot(MX, NEW, T0 + 60)["warmup"]
+    assert shown["step"] == 4 and shown["allowance"] is None and shown["sent_today"] == 2
+    # Restarted, it is on the first step again, whatever it did before.
+    assert again.warmup.move(MX, NEW, T0 + 120, to_first=True).step == 0
+    assert again.warmup.left(MX, NEW, T0 + 120) == 0  # 2 sent today: the first step's 2
+    assert again.choose((NEW,), MX, {4}, lambda _: 0, T0 + 120) is None
+    again.warmup.move(MX, NEW, T0 + 180, to_first=False)
+    assert again.warmup.left(MX, NEW, T0 + 5 * DAY) is None  # warm stays warm
+
+
+def test_a_move_logs_the_day_end_it_came_across() -> None:
+    warmups = Warmups()
+    send(warmups, T0, 2)
+    warmups.move(MX, NEW, T0 + DAY, to_first=True)
+    (step,) = warmups.drain()
+    assert step.step == 2 and not step.held  # the day end, as at any first look of the day

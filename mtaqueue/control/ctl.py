@@ -240,7 +240,12 @@ def _suppress_options(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--reason", default="")
     remove = actions.add_parser("remove", help="accept mail to an address again")
     remove.add_argument("address")
-    for action in (listing, add, remove):  # --json also after the action
+    _json_after(listing, add, remove)
+
+
+def _json_after(*actions: argparse.ArgumentParser) -> None:
+    """--json also after a command's action ("suppress list --json")."""
+    for action in actions:
         action.add_argument(
             "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON Lines"
         )
@@ -464,9 +469,7 @@ def _dkim_options(parser: argparse.ArgumentParser) -> None:
         "check", help="the TXT record of each key of DOMAIN, and whether the DNS publishes it"
     )
     check.add_argument("domain")
-    check.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON Lines"
-    )
+    _json_after(check)
 
 
 def _dkim(args: argparse.Namespace, out: TextIO) -> None:
@@ -483,6 +486,42 @@ def _dkim(args: argparse.Namespace, out: TextIO) -> None:
     bad = [row for row in rows if row["status"] != "ok"]
     if bad:
         raise Failure(f"dkim check: {bad[0]['status']}: {bad[0]['detail']}")
+
+
+def _warmup_options(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    helps = {
+        "show": "each warming source's ramp at each destination",
+        "restart": "put SOURCE's ramp back on its first step (a moved address, a damaged"
+        " reputation); today's mail still counts against today's allowance",
+        "finish": "SOURCE is warm: no warm-up allowance any more",
+    }
+    show, restart, finish = (actions.add_parser(a, help=h, description=h) for a, h in helps.items())
+    show.add_argument("source", nargs="?", help="only this source address")
+    for action in (restart, finish):
+        action.add_argument("source", help="the source address, as in its [pools] table")
+        action.add_argument(
+            "--destination",
+            metavar="DEST",
+            help="a destination as warmup show names it, or a domain it serves"
+            " (default: every destination SOURCE has a ramp at)",
+        )
+    _json_after(show, restart, finish)
+
+
+def _warmup_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    if args.action == "show":
+        return "warmup_show", {"source": args.source}
+    return f"warmup_{args.action}", {"source": args.source, "destination": args.destination}
+
+
+def _warmup_show(reply: Reply, out: TextIO) -> None:
+    count = 0
+    for ramp in reply:
+        count += 1
+        out.write(f"{ramp['source']} at {ramp['destination']}: {_warmup(ramp)}\n")
+    if not count:
+        out.write("no warm-up ramp (no warming source has mail for a destination yet)\n")
 
 
 def _top_options(parser: argparse.ArgumentParser) -> None:
@@ -605,6 +644,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         None,
         None,
         _dkim,
+    ),
+    "warmup": Subcommand(
+        "warm-up ramps of pool sources: show, restart (from the first step), finish (warm)",
+        _warmup_options,
+        _warmup_request,
+        _warmup_show,
     ),
     "suppress": Subcommand(
         "the suppression list (list, add, remove)",

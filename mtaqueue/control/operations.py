@@ -1,5 +1,5 @@
 """Control commands that steer delivery: hold, release, flush, domains, limit, backoff,
-forget."""
+forget, warmup."""
 
 from __future__ import annotations
 
@@ -83,6 +83,33 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
     async def forget(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         yield {"destinations": manager.forget_learned(_name(args))}
 
+    async def warmup_show(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        source = args.get("source")
+        if source is not None and not isinstance(source, str):
+            raise CommandError("a source is an address")
+        try:
+            entries = manager.warmups(source or None)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        for entry in entries:
+            yield entry
+
+    def warmup_move(to_first: bool) -> Command:
+        async def command(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+            source, destination = args.get("source"), args.get("destination")
+            if not isinstance(source, str) or not source:
+                raise CommandError("name the source address")
+            if destination is not None and not isinstance(destination, str):
+                raise CommandError("--destination takes a destination or a domain")
+            try:
+                entries = await manager.move_warmup(source, destination or None, to_first)
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
+            for entry in entries:
+                yield entry
+
+        return command
+
     return {
         "hold": bulk(manager.hold, "held"),
         "release": bulk(manager.release, "released"),
@@ -94,6 +121,9 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
         "limit": limit,
         "backoff": backoff,
         "forget": forget,
+        "warmup_show": warmup_show,
+        "warmup_restart": warmup_move(to_first=True),
+        "warmup_finish": warmup_move(to_first=False),
     }
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import random
 import time
 from collections import deque
@@ -160,6 +161,9 @@ class DeliveryManager:
         self._overdue_drain: asyncio.Future | None = None
         self._waits: dict[str, int] = {}  # message id -> internal waits since its last attempt
         self._refusals: dict[str, int] = {}  # message id -> throttle refusals in a row
+        # base -> {message id: until}: mail waiting for the next day's warm-up allowance
+        # there, released at once when an operator finishes a ramp of that destination.
+        self._warm_waits: dict[str, dict[str, float]] = {}
         # message id -> the journaling of its record, waiting for its DSNs to be durable
         self._noticing: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Future] = set()
@@ -468,7 +472,12 @@ class DeliveryManager:
             data = self._learned_data(time.time())
             if data != self._saved:
                 await asyncio.to_thread(self._save_learned, data)
-            egress = self.egress.encode(time.time())
+            now = time.time()
+            waits = (
+                (b, {i: t for i, t in w.items() if t > now}) for b, w in self._warm_waits.items()
+            )
+            self._warm_waits = {base: ids for base, ids in waits if ids}  # not woken yet
+            egress = self.egress.encode(now)
             if egress != self._egress_saved:
                 await asyncio.to_thread(self._save_egress, egress)
 
@@ -680,7 +689,11 @@ class DeliveryManager:
         self._log_ramps()
 
     def _source_for(self, pool: Pool, base: str, route: Route, now: float) -> Source | None:
+        """The pool's source for mail to `base`: of those that may reach one of its hosts
+        (host suspensions are per source), if any may; else of them all (the mail then
+        waits for a host's release, as for one source)."""
         families = self.egress.families(base, _addresses(route), now)
+        reach = [s for s in pool.sources if not self.sender.all_suspended(route, now, s)]
 
         def load(source: Source) -> int:
             key = sourced(base, source)
@@ -694,7 +707,7 @@ class DeliveryManager:
             destination = self.destinations.get(sourced(base, source))
             return 0 if destination is None else len(destination.waiting & self._busy.keys())
 
-        return self.egress.choose(pool.sources, base, families, load, now, placed)
+        return self.egress.choose(reach or pool.sources, base, families, load, now, placed)
 
     def _no_source(self, item: WorkItem, pool: Pool, base: str, now: float) -> None:
         """No source of the pool may send to `base`: every one of the families it has is
@@ -706,6 +719,7 @@ class DeliveryManager:
             # Always uncharged: the schedule ends, and the wait is the point of warming.
             until = min(warmup.wake(now, self.rng), back or float("inf"))
             log.info("warmup_wait", id=item.message_id, destination=base, until=until)
+            self._warm_waits.setdefault(base, {})[item.message_id] = until
             self._unbusy(item.message_id, item.indexes)
             self._schedule(item.message_id, until)
             return
@@ -771,7 +785,7 @@ class DeliveryManager:
             destination = self.destinations[action.destination]
             message = self.spool.messages.get(item.message_id)
             families = self._families(destination, item.route, now)
-            candidates = self.sender.candidates(item.route, now, families)
+            candidates = self.sender.candidates(item.route, now, families, destination.source)
             if message is None or message.held or isinstance(candidates, Suspended):
                 self._act(self._core.abandon(now, action.conn))
                 if isinstance(candidates, Suspended) and message is not None:
@@ -867,7 +881,7 @@ class DeliveryManager:
             self._done(conn, link, [])
             return
         families = self._families(destination, item.route, time.time())
-        if not self.sender.fits(link.conn, item.route, time.time(), families):
+        if not self.sender.fits(link.conn, item.route, time.time(), families, destination.source):
             # An idle connection to a host since suspended, or not of this route: the
             # item goes back to its queue and waits for a connection of its own.
             self._done(conn, link, [], reusable=False)
@@ -884,7 +898,7 @@ class DeliveryManager:
         try:
             results = await self.sender.transaction(link.conn, message, item.indexes, content)
             host = link.candidates[link.tried - 1][0]  # the one this connection went to
-            self.sender.judge_host(host, item.route.port, link.conn.ip, results)
+            self.sender.judge_host(host, item.route.port, link.conn.ip, results, destination.source)
         except Exception as exc:
             log.exception("attempt_failed", id=item.message_id)
             link.conn.abort()
@@ -1139,8 +1153,7 @@ class DeliveryManager:
             log.warning("ipv6_refused", destination=base, reply=ipv6[0].reply.line())
             moved = moved or source is not None
         if moved:  # what waits there goes to the pool's other sources (or IPv4) now
-            waiting = self._core.remove(now, lambda _: True, destination.key)
-            self._replace(destination, waiting, now)
+            self._replace_queued(destination.key, now)
         refused = blocked + ipv6
         if not refused or self._refusals.get(item.message_id, 0) >= THROTTLE_REQUEUES:
             return [], results, moved
@@ -1450,13 +1463,18 @@ class DeliveryManager:
     def domains(self) -> list[dict]:
         """The live destinations' state (for metrics; `view` adds the waiting mail)."""
         now = time.time()
-        suspended = self.hosts.snapshot(now)
+        by_source: dict[Source | None, dict[str, float]] = {}  # hosts suspended for each
         core = self._core
-        return [
-            d.snapshot(now, suspended, core.waiting(d.key), core.slots(d.key)[0])
-            | self.egress.snapshot(d.base, d.source, now)
-            for d in self.destinations.values()
-        ]
+        entries = []
+        for d in self.destinations.values():
+            if d.source not in by_source:
+                by_source[d.source] = self.sender.suspended_hosts(now, d.source)
+            suspended = by_source[d.source]
+            entries.append(
+                d.snapshot(now, suspended, core.waiting(d.key), core.slots(d.key)[0])
+                | self.egress.snapshot(d.base, d.source, now)
+            )
+        return entries
 
     async def view(self) -> list[dict]:
         """`mtaqueue-ctl domains`: every destination with waiting mail or state to show."""
@@ -1470,7 +1488,7 @@ class DeliveryManager:
         """The warm-up of (source, destination)s with no live destination (after a
         restart, say): a ramp's state matters while its mail waits for the next day."""
         names = {d["destination"] for d in live}
-        sources = {s.address: s for p in self.pools.pools.values() for s in p.sources}
+        sources = self._pool_sources()
         now = time.time()
         entries = []
         for base, address in list(self.egress.warmup.ramps):
@@ -1483,6 +1501,94 @@ class DeliveryManager:
                 | self.egress.warmup.snapshot(base, source, now)
             )
         return entries
+
+    def _pool_sources(self) -> dict[str, Source]:
+        return {s.address: s for p in self.pools.pools.values() for s in p.sources}
+
+    # -- warm-up, by the operator (mtaqueue-ctl warmup) -----------------------------------
+
+    def warmups(self, address: str | None = None) -> list[dict]:
+        """Each ramp of the warming sources (of `address`), by source and destination.
+        Raises ValueError for an address that is no warming source of a pool."""
+        now = time.time()
+        return [
+            self._ramp_entry(base, source, now)
+            for source in self._warming(address)
+            for base in self.egress.warmup.bases(source.address)
+        ]
+
+    async def move_warmup(self, address: str, name: str | None, to_first: bool) -> list[dict]:
+        """Put `address`'s ramp at the destination `name` (its key, or a domain it serves;
+        None: every destination it has a ramp at) back on the first step (`to_first`:
+        mail queued there over that step's allowance goes to the pool's others or waits)
+        or past the last (mail waiting there for the next day's allowance goes now).
+        Saved to egress.json before the answer. Raises ValueError if there is none."""
+        if not self._started:  # the ramps were never loaded: saving would lose them
+            raise ValueError("delivery is off (delivery.enabled = false): no ramp to move")
+        (source,) = self._warming(address)
+        now = time.time()
+        entries = []
+        for base in self._ramp_bases(source, name):
+            ramp = self.egress.warmup.move(base, source, now, to_first)
+            self._log_ramps()  # a day end it came across first
+            (log.warning if to_first else log.info)(
+                "warmup_restarted" if to_first else "warmup_finished",
+                base=base,
+                source=source.address,
+                step=ramp.step + 1,
+                allowance=warmup.allowance(ramp, source.warmup),
+                sent=ramp.sent,
+            )
+            entries.append(self._ramp_entry(base, source, now))
+            if to_first:
+                self._replace_queued(sourced(base, source), now)
+            else:
+                for message_id, until in self._warm_waits.pop(base, {}).items():
+                    if until > now:
+                        self._schedule(message_id, now)
+        await asyncio.to_thread(self._save_egress, self.egress.encode(now))
+        return entries
+
+    def _warming(self, address: str | None) -> list[Source]:
+        sources = [s for s in self._pool_sources().values() if s.warmup]
+        if address is None:
+            return sorted(sources, key=lambda s: s.address)
+        normal = str(ipaddress.ip_address(address))  # a ValueError that names it
+        found = [s for s in sources if s.address == normal]
+        if not found:
+            raise ValueError(f"{normal} is no source of a pool with a warmup schedule")
+        return found
+
+    def _ramp_bases(self, source: Source, name: str | None) -> list[str]:
+        known = self.egress.warmup.bases(source.address)
+        if name is None:
+            found = known
+        else:
+            name = name.lower().removesuffix(f"@{source.address}")
+            live = (self.destinations.get(sourced(base, source)) for base in known)
+            found = [
+                base
+                for base, d in zip(known, live, strict=True)
+                if base == name or (d is not None and _named(d, name))
+            ]
+        if not found:
+            where = "anywhere" if name is None else f"at {name}"
+            raise ValueError(f"source {source.address} has no ramp {where} (see warmup show)")
+        return found
+
+    def _ramp_entry(self, base: str, source: Source, now: float) -> dict:
+        """A ramp as `mtaqueue-ctl warmup` shows it."""
+        shown = self.egress.warmup.snapshot(base, source, now)["warmup"]
+        return {"source": source.address, "destination": base, **shown}
+
+    def _replace_queued(self, key: str, now: float) -> None:
+        """Place the mail queued at destination `key` again (its source's pool chooses)."""
+        destination = self.destinations.get(key)
+        if destination is None:
+            return
+        queued = self._core.remove(now, lambda _: True, key)
+        destination.waiting.difference_update(item.message_id for item in queued)
+        self._replace(destination, queued, now)
 
     def _unqueue_messages(self, ids: set[str]) -> None:
         """Take these messages' items out of the ready queues. That looks at every item

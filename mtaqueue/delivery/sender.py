@@ -21,7 +21,7 @@ from .. import config
 from ..logs import get_logger
 from ..model import Message
 from ..policy.classify import AUTH, BLOCKLIST, DELIVERED, HOST, IPV6, THROTTLING, Rule, classify
-from ..policy.hosts import HostSuspensions, host_key
+from ..policy.hosts import EVERY, HostSuspensions, host_key
 from ..policy.mta_sts import AS_USUAL, VERIFY, Applied, requirement
 from ..policy.replies import Reply
 from ..policy.settle import Result
@@ -61,27 +61,51 @@ class Sender:
         self._sts_tls = Smarthost(STARTTLS, sts_context) if sts_context is not None else None
 
     def candidates(
-        self, route: Route, now: float, families: Collection[int] = (4, 6)
+        self,
+        route: Route,
+        now: float,
+        families: Collection[int] = (4, 6),
+        source: Source | None = None,
     ) -> list[tuple[str, str]] | Suspended:
-        """The (host, address) pairs to try in order: the hosts not suspended, their
-        addresses of `families` (a source's, or IPv4 for a site that refuses IPv6)."""
-        port = route.port
-        hosts = [h for h in route.hosts if not self.hosts.suspended(host_key(h.name, port), now)]
+        """The (host, address) pairs to try in order from `source`: the hosts not
+        suspended for it, their addresses of `families` (a source's, or IPv4 for a site
+        that refuses IPv6)."""
+        port, by = route.port, _address(source)
+        keys = [host_key(h.name, port) for h in route.hosts]
+        hosts = [
+            h
+            for h, key in zip(route.hosts, keys, strict=True)
+            if not self.hosts.suspended(key, now, by)
+        ]
         if not hosts:
-            keys = [host_key(h.name, port) for h in route.hosts]
-            release = self.hosts.next_release(keys, now)
+            release = self.hosts.next_release(keys, now, by)
             until = release or now + self.delivery.host_suspend
-            return Suspended(until, self._suspended(keys))
+            return Suspended(until, self._suspended(keys, by))
         return [(h.name, ip) for h in hosts for ip in h.addresses if family_of(ip) in families]
 
+    def all_suspended(self, route: Route, now: float, source: Source | None) -> bool:
+        """Whether every host of `route` is suspended for `source` (a pool's other
+        sources may still reach them)."""
+        keys = (host_key(h.name, route.port) for h in route.hosts)
+        return self.hosts.next_release(keys, now, _address(source)) is not None
+
+    def suspended_hosts(self, now: float, source: Source | None) -> dict[str, float]:
+        """The hosts suspended for `source`, and until when (`mtaqueue-ctl domains`)."""
+        return self.hosts.snapshot(now, _address(source))
+
     def fits(
-        self, conn: SmtpConnection, route: Route, now: float, families: Collection[int] = (4, 6)
+        self,
+        conn: SmtpConnection,
+        route: Route,
+        now: float,
+        families: Collection[int] = (4, 6),
+        source: Source | None = None,
     ) -> bool:
         """Whether an open connection can carry mail of `route`: reusable, to one of its
         hosts not suspended over an address family still wanted, verified if the route's
         MTA-STS policy enforces (a connection opened for another domain of the same MX may
         not be)."""
-        candidates = self.candidates(route, now, families)
+        candidates = self.candidates(route, now, families, source)
         return (
             self.reusable(conn)
             and not isinstance(candidates, Suspended)
@@ -95,23 +119,35 @@ class Sender:
         error tarpit is not fed)."""
         return conn.usable and conn.refusals < REFUSALS_PER_CONNECTION
 
-    def judge_host(self, host: str, port: int, ip: str, results: list[Result]) -> None:
+    def judge_host(
+        self, host: str, port: int, ip: str, results: list[Result], source: Source | None = None
+    ) -> None:
         """A host that spoke out of step (a 250 greeting, 252 to MAIL, garbage) is left
         alone like one that failed to connect; one that carried a transaction is fine."""
         failed = next((r.reply for r in results if r.verdict.scope == HOST), None)
         if failed is None:
-            self.hosts.succeeded(host_key(host, port))
+            self.hosts.succeeded(host_key(host, port), _address(source))
         else:
-            self._suspend(host, port, ip, failed)
+            self._suspend(host, port, ip, failed, source)
 
-    def _suspend(self, host: str, port: int, ip: str, reply: Reply) -> None:
-        until = self.hosts.failed(host_key(host, port), time.time(), reply)
-        log.warning("host_suspended", host=host, port=port, ip=ip, until=until, reply=reply.line())
+    def _suspend(self, host: str, port: int, ip: str, reply: Reply, source: Source | None) -> None:
+        key, now = host_key(host, port), time.time()
+        until = self.hosts.failed(key, now, reply, _address(source))
+        log.warning(
+            "host_suspended",
+            host=host,
+            port=port,
+            ip=ip,
+            source=source.address if source is not None else None,
+            every_source=self.hosts.suspended(key, now, EVERY),
+            until=until,
+            reply=reply.line(),
+        )
 
-    def _suspended(self, keys: list[str]) -> Reply:
+    def _suspended(self, keys: list[str], source: str) -> Reply:
         """What an attempt that waited on suspended hosts reports, if it has to be charged:
         the failure that suspended the first of them."""
-        reason = self.hosts.reason(keys[0])
+        reason = self.hosts.reason(keys[0], source)
         note = f"(delivery to {keys[0]} temporarily suspended)"
         if reason is None:
             return Reply("connect", 0, "", note, network="unreachable")
@@ -153,7 +189,7 @@ class Sender:
             # so is a listed source or an IPv6 address the site will not take from us.
             ours = verdict.kind in (AUTH, BLOCKLIST, IPV6) or failed.reply.network == "local"
             if verdict.scope in ("host", "destination") and suspend and not paced and not ours:
-                self._suspend(host, port, ip, failed.reply)
+                self._suspend(host, port, ip, failed.reply, source)
             return failed.reply
 
     async def _open(
@@ -237,6 +273,11 @@ class Sender:
     ) -> Result:
         verdict = classify(reply, self.rules, ambiguous_policy=self.delivery.ambiguous)
         return Result(index, reply, verdict, host, ip, dsn_relayed=relayed)
+
+
+def _address(source: Source | None) -> str:
+    """A source's name in the host suspensions: its address; "" the default source."""
+    return source.address if source is not None else ""
 
 
 def _count_refusals(conn: SmtpConnection, results: list[Result]) -> None:

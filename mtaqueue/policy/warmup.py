@@ -9,6 +9,11 @@ or more than RISE above the last day's, holds the step ("a provider that defers 
 you ramp is telling you to slow the ramp"). A day without mail neither advances nor holds.
 Past the schedule's end the source is warm: no limit. Only daily: within the day, the
 destination's shaper (rates, concurrency, what it learned) paces as for any source.
+
+An operator may move a ramp (`mtaqueue-ctl warmup`): `restart` puts it back on the
+schedule's first step (a moved address, a damaged reputation: providers judge the address
+anew), `finish` past its end (an address known to be warm there). Either keeps the day's
+counts: the mail sent today was seen, and counts against today's allowance.
 """
 
 from __future__ import annotations
@@ -85,6 +90,18 @@ def left(ramp: Ramp, schedule: tuple[int, ...]) -> int | None:
     return None if volume is None else max(volume - ramp.sent, 0)
 
 
+def restart(ramp: Ramp, schedule: tuple[int, ...], now: float) -> Ramp:
+    """The ramp back on the first step, with no deferral rate to beat."""
+    rolled, _ = roll(ramp, schedule, now)
+    return Ramp(0, rolled.day, rolled.sent, rolled.deferred)
+
+
+def finish(ramp: Ramp, schedule: tuple[int, ...], now: float) -> Ramp:
+    """The ramp past the schedule's end: warm, no limit."""
+    rolled, _ = roll(ramp, schedule, now)
+    return msgspec.structs.replace(rolled, step=len(schedule), held=False)
+
+
 def count(ramp: Ramp, accepted: bool) -> Ramp:
     """A message's outcome at the destination, for the (rolled) ramp: accepted or deferred."""
     if accepted:
@@ -133,24 +150,40 @@ class Warmups:
         if ramp is not None:
             self.ramps[(base, source.address)] = count(ramp, accepted)
 
+    def move(self, base: str, source: Source, now: float, to_first: bool) -> Ramp:
+        """An operator's `restart` (`to_first`) or `finish` of `source`'s ramp at `base`;
+        the day ends it came across first are drained as usual."""
+        ramp = self.ramp(base, source, now)
+        assert ramp is not None, "a source without a schedule has no ramp to move"
+        moved = (restart if to_first else finish)(ramp, source.warmup, now)
+        self.ramps[(base, source.address)] = moved
+        return moved
+
+    def bases(self, address: str) -> list[str]:
+        """The destinations that `address` has a ramp at, sorted."""
+        return sorted(base for base, a in self.ramps if a == address)
+
     def drain(self) -> list[Step]:
         steps, self._steps = self._steps, []
         return steps
 
     def snapshot(self, base: str, source: Source | None, now: float) -> dict:
         """What `mtaqueue-ctl domains` shows of a (source, destination)'s warm-up."""
-        saved = None if source is None else self.ramps.get((base, source.address))
         if source is None or not source.warmup:
             return {"warmup": None}
+        saved = self.ramps.get((base, source.address))
         ramp, _ = roll(saved or Ramp(day=day_of(now)), source.warmup, now)  # a view: not kept
-        return {
-            "warmup": {
-                "step": ramp.step + 1,  # day 1 of the schedule is its first step
-                "steps": len(source.warmup),
-                "allowance": allowance(ramp, source.warmup),
-                "sent_today": ramp.sent,
-                "deferred_today": ramp.deferred,
-                "held": ramp.held,
-                "last_rate": ramp.rate,
-            }
-        }
+        return {"warmup": view(ramp, source.warmup)}
+
+
+def view(ramp: Ramp, schedule: tuple[int, ...]) -> dict:
+    """A (rolled) ramp as `mtaqueue-ctl domains` and `warmup` show it (a stable shape)."""
+    return {
+        "step": ramp.step + 1,  # day 1 of the schedule is its first step
+        "steps": len(schedule),
+        "allowance": allowance(ramp, schedule),
+        "sent_today": ramp.sent,
+        "deferred_today": ramp.deferred,
+        "held": ramp.held,
+        "last_rate": ramp.rate,
+    }

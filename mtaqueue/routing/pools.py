@@ -4,8 +4,8 @@ picks the address, delivery.helo_name is said).
 
 Providers limit and judge per client IP, so a pooled source is part of the destination it
 sends to (delivery/destination.py `destination_key`): pacing, breaker and what was learned
-are per (source, destination). Which source of a pool takes a message is policy/egress.py's
-choice. Pure.
+are per (source, destination), and host suspensions per (source, host) (policy/hosts.py).
+Which source of a pool takes a message is policy/egress.py's choice. Pure.
 """
 
 from __future__ import annotations
