@@ -196,7 +196,7 @@ class Daemon:
             credentials=self.credentials,
             rcpt_check=self._suppressed,
         )
-        commands = queue_commands(lambda: self.spool.messages, self.info)
+        commands = queue_commands(lambda: self.spool.messages, self.info, self.delivery.waiting_for)
         commands |= suppression_commands(self.spool, self.cfg.suppression.ttl)
         commands |= operation_commands(self.delivery, self.spool)
         commands["webhooks"] = self._webhooks

@@ -242,6 +242,11 @@ def test_over_the_allowance_mail_waits_uncharged_and_a_restart_keeps_the_count(n
         return [r for m in daemon.messages().values() for r in m["recipients"]]  # delivered: gone
 
     assert len(waiting()) == 3 and {r["attempts"] for r in waiting()} == {0}
+    # ctl list says why mail that looks ready waits (its record has no next attempt).
+    held = [m["waiting"] for m in daemon.messages().values()]
+    assert [w["reason"] for w in held] == ["warmup"] * 3
+    assert {w["until"] for w in held} == {w["until"] for w in waits}
+    assert daemon.ctl("list").stdout.count("waiting for the warm-up allowance at") == 3
     key = f"mx.example.org:{peer.port}@{A}"
     assert destinations(daemon)[key]["warmup"]["sent_today"] == 2
     daemon.restart()

@@ -16,10 +16,17 @@ from mtaqueue.spool.walk import walk
 
 
 def queue_commands(
-    queue: Callable[[], Mapping[str, Message]], info: Callable[[], dict[str, Any]]
+    queue: Callable[[], Mapping[str, Message]],
+    info: Callable[[], dict[str, Any]],
+    waiting: Callable[[str], dict[str, Any] | None] = lambda queue_id: None,
 ) -> dict[str, Command]:
     """`status`, `list` and `show` over the daemon's queue (id -> message). The queue
-    may change while a long list is being sent: each message is read as it comes."""
+    may change while a long list is being sent: each message is read as it comes.
+    `waiting`: why the delivery side holds a message that its record shows as ready
+    (DeliveryManager.waiting_for), None if it does not."""
+
+    def entry(msg: Message) -> dict[str, Any]:
+        return views.message_json(msg) | {"waiting": waiting(msg.id)}
 
     async def status(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         tally = views.StatusTally()
@@ -34,7 +41,7 @@ def queue_commands(
             raise CommandError(f"bad list filter: {exc}") from None
         async for msg in walk(queue()):
             if views.matches(msg, filters):
-                yield views.message_json(msg)
+                yield entry(msg)
 
     async def show(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         queue_id = args.get("id")
@@ -43,7 +50,7 @@ def queue_commands(
         msg = queue().get(queue_id)
         if msg is None:
             raise CommandError(f"no message with id {queue_id}")
-        yield views.message_json(msg)
+        yield entry(msg)
 
     async def qshape_(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         by = args.get("by") or "domain"

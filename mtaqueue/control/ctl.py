@@ -146,7 +146,7 @@ def _list_show(reply: Reply, out: TextIO) -> None:
         held = "  (held)" if msg["held"] else ""
         out.write(
             f"{msg['id']} {msg['size']:>9} {_time(msg['created'])} {msg['class']:<4}"
-            f" {msg['sender'] or '<>'}{held}\n"
+            f" {msg['sender'] or '<>'}{held}{_held_back(msg.get('waiting'), '  ({})')}\n"
         )
         for rcpt in msg["recipients"]:
             line = _recipient_line(rcpt)
@@ -169,10 +169,21 @@ def _show_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "show", {"id": args.id}
 
 
+def _held_back(waiting: dict[str, Any] | None, form: str = "{}") -> str:
+    """What holds a message that looks ready (a warm-up allowance used up for the day),
+    put in `form`; "" if nothing does."""
+    if not waiting:
+        return ""
+    text = f"waiting for the warm-up allowance at {waiting['destination']}"
+    return form.format(f"{text} until {_time(waiting['until'])}")
+
+
 def _show_show(reply: Reply, out: TextIO) -> None:
     for msg in reply:
         for key, value in msg.items():
-            if key != "recipients":
+            if key == "waiting":
+                out.write(f"{key:<16} {_held_back(value) or '-'}\n")
+            elif key != "recipients":
                 out.write(f"{key:<16} {_value(key, value)}\n")
         for rcpt in msg["recipients"]:
             out.write(f"recipient        {rcpt['address']}\n")

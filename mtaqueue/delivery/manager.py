@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -629,6 +630,16 @@ class DeliveryManager:
             return
         reply = Reply("dns", 0, "", f"local error: {type(error).__name__}: {error}", "local")
         self._charge(message_id, indexes, reply, destination="")
+
+    def waiting_for(self, message_id: str) -> dict[str, Any] | None:
+        """Why a message its record shows as ready waits, for `mtaqueue-ctl list/show`:
+        over a source's warm-up allowance of the day (no attempt is charged for it)."""
+        now = time.time()
+        for base, ids in self._warm_waits.items():
+            until = ids.get(message_id)
+            if until is not None and until > now:
+                return {"reason": "warmup", "destination": base, "until": until}
+        return None
 
     def _uncharged_wait(self, message_id: str) -> bool:
         """Count an internal wait (every host suspended, an unexpected error): whether it
