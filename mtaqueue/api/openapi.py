@@ -126,6 +126,17 @@ _SCHEMAS: dict[str, Any] = {
             "body": {"enum": ["7BIT", "8BITMIME"]},
             "smtputf8": {"type": "boolean"},
             "recipients": {"type": "array", "items": _ref("Recipient")},
+            "waiting": {
+                "oneOf": [
+                    {"type": "null"},
+                    _object(
+                        ["reason", "destination", "until"],
+                        {"reason": {"enum": ["warmup"]}, "destination": _STRING, "until": _NUMBER},
+                    ),
+                ],
+                "description": "what holds back mail whose recipients look ready: a warm-up"
+                " allowance used up for the day, until `until` (epoch seconds); else null",
+            },
         },
         description="As `mtaqueue-ctl list --json` prints it, with each recipient's history",
     ),

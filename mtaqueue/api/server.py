@@ -181,11 +181,14 @@ class Api:
         return await spool.incoming(message).commit(content)
 
     async def _show(self, request: web.Request) -> web.Response:
-        return web.json_response(message_json(self._message(request)))
+        return web.json_response(self._json(self._message(request)))
 
     async def _find(self, request: web.Request) -> web.Response:
         found = self._by_key(request)
-        return web.json_response({"messages": [] if found is None else [message_json(found)]})
+        return web.json_response({"messages": [] if found is None else [self._json(found)]})
+
+    def _json(self, message: Message) -> dict:
+        return message_json(message, self.deps.delivery.waiting_for(message.id))
 
     async def _cancel(self, request: web.Request) -> web.Response:
         return await self._cancelled(self._message(request))

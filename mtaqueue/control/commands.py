@@ -26,7 +26,7 @@ def queue_commands(
     (DeliveryManager.waiting_for), None if it does not."""
 
     def entry(msg: Message) -> dict[str, Any]:
-        return views.message_json(msg) | {"waiting": waiting(msg.id)}
+        return views.message_json(msg, waiting(msg.id))
 
     async def status(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         tally = views.StatusTally()

@@ -40,7 +40,9 @@ def recipient_state(msg: Message, rcpt: Recipient) -> str:
     return HELD if msg.held and rcpt.state not in FINAL_STATES else rcpt.state
 
 
-def message_json(msg: Message) -> dict[str, Any]:
+def message_json(msg: Message, waiting: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`waiting`: what the delivery side holds it back for while its record looks ready
+    (DeliveryManager.waiting_for)."""
     return {
         "id": msg.id,
         "class": msg.klass,
@@ -75,6 +77,7 @@ def message_json(msg: Message) -> dict[str, Any]:
             }
             for r in msg.recipients
         ],
+        "waiting": waiting,
     }
 
 
