@@ -208,6 +208,15 @@ class MtaStsConfig(_Table):
     https_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 443  # of policy hosts (tests)
 
 
+class TlsRptConfig(_Table):
+    """TLS-RPT (RFC 8460): daily reports of TLS results to the domains that ask for them."""
+
+    enabled: bool = False  # reports go to the world: opt-in
+    organization: str = ""  # organization-name; "" = listen.hostname
+    contact: str = ""  # contact-info (an address or URL); "" = the `from` address
+    sender: str = msgspec.field(default="", name="from")  # of mailto: reports; "" = postmaster@host
+
+
 class TimeoutsConfig(_Table):
     """Per-phase SMTP client timeouts (RFC 5321 4.5.3.2 minimums, Postfix's connect)."""
 
@@ -472,6 +481,7 @@ class Config(_Table):
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     dns: DnsConfig = msgspec.field(default_factory=DnsConfig)
     mta_sts: MtaStsConfig = msgspec.field(default_factory=MtaStsConfig)
+    tls_rpt: TlsRptConfig = msgspec.field(default_factory=TlsRptConfig)
     delivery: DeliveryConfig = msgspec.field(default_factory=DeliveryConfig)
     routes: dict[str, str] = {}  # lower-cased domain -> next hop
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)

@@ -3,7 +3,8 @@
 `TestCa` issues server certificates for any names; the daemon trusts it through
 mta_sts.ca_file. `PolicyServer` is an aiohttp server with its own event loop in a thread (as
 the SMTP peers are), serving /.well-known/mta-sts.txt for each "mta-sts.<domain>" by its
-Host header from `policies`, counting the fetches in `requests`.
+Host header from `policies`, counting the fetches in `requests`; it is a TLS-RPT
+collector too: what is POSTed to /tlsrpt goes in `reports` (Content-Type, body).
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class PolicyServer:
         self.context = context
         self.policies: dict[str, str] = {}  # domain -> policy file
         self.requests: list[str] = []  # the domain of each fetch
+        self.reports: list[tuple[str, bytes]] = []  # TLS-RPT POSTs: (Content-Type, body)
+        self.report_status = 201  # another: the POST is refused (not kept in `reports`)
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -122,6 +125,7 @@ class PolicyServer:
     async def _start(self) -> None:
         app = web.Application()
         app.router.add_get("/.well-known/mta-sts.txt", self._policy)
+        app.router.add_post("/tlsrpt", self._report)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0, ssl_context=self.context)
@@ -135,3 +139,9 @@ class PolicyServer:
         if text is None:
             return web.Response(status=404)
         return web.Response(text=text, content_type="text/plain")
+
+    async def _report(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        if self.report_status < 300:
+            self.reports.append((request.headers.get("Content-Type", ""), body))
+        return web.Response(status=self.report_status)

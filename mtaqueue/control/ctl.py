@@ -535,6 +535,29 @@ def _warmup_show(reply: Reply, out: TextIO) -> None:
         out.write("no warm-up ramp (no warming source has mail for a destination yet)\n")
 
 
+def _tls_report_options(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    help = "send the TLS reports of the days that have ended now, without waiting for their time"
+    send = actions.add_parser("send", help=help, description=help)
+    send.add_argument("--today", action="store_true", help="and today's so far")
+    _json_after(send)
+
+
+def _tls_report_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "tls_report_send", {"today": args.today}
+
+
+def _tls_report_show(reply: Reply, out: TextIO) -> None:
+    count = 0
+    for sent in reply:
+        count += 1
+        rua = f" to {', '.join(sent['rua'])}" if sent.get("rua") else ""
+        errors = "".join(f"\n  {uri}: {why}" for uri, why in sent.get("errors", {}).items())
+        out.write(f"{sent['domain']} {sent['day']}{rua}: {sent['result']}{errors}\n")
+    if not count:
+        out.write("no TLS report due\n")
+
+
 def _top_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     parser.add_argument("--count", type=int, default=0, help="stop after N screens (0: never)")
@@ -661,6 +684,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         _warmup_options,
         _warmup_request,
         _warmup_show,
+    ),
+    "tls-report": Subcommand(
+        "TLS-RPT (RFC 8460): send the reports due now",
+        _tls_report_options,
+        _tls_report_request,
+        _tls_report_show,
     ),
     "suppress": Subcommand(
         "the suppression list (list, add, remove)",

@@ -1,5 +1,5 @@
 """Control commands that steer delivery: hold, release, flush, domains, limit, backoff,
-forget, warmup."""
+forget, warmup, tls-report."""
 
 from __future__ import annotations
 
@@ -110,6 +110,13 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
 
         return command
 
+    async def tls_report_send(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        reports = manager.tls_reports
+        if reports is None or not reports.enabled:
+            raise CommandError("TLS-RPT is off (tls_rpt.enabled = false)")
+        for result in await reports.send_due(time.time(), today=bool(args.get("today"))):
+            yield result
+
     return {
         "hold": bulk(manager.hold, "held"),
         "release": bulk(manager.release, "released"),
@@ -124,6 +131,7 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
         "warmup_show": warmup_show,
         "warmup_restart": warmup_move(to_first=True),
         "warmup_finish": warmup_move(to_first=False),
+        "tls_report_send": tls_report_send,
     }
 
 

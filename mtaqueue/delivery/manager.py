@@ -96,6 +96,7 @@ from .destination import Destination, DestinationsView, WorkItem, destination_ke
 from .mta_sts import Policies, restricted, tls_context
 from .revalidation import Revalidation
 from .sender import Sender, Suspended
+from .tls_reports import TlsReports
 
 log = get_logger("delivery")
 
@@ -150,6 +151,7 @@ class DeliveryManager:
         self.revalidation = Revalidation(cfg, self._revalidated)
         self._started = False  # not started (delivery.enabled = false): nothing to save
         self.policies: Policies | None = None  # MTA-STS, made by reconfigure
+        self.tls_reports: TlsReports | None = None  # TLS-RPT, made by reconfigure
         self.reconfigure(cfg)
         self._overrides: dict[str, Callable[[DestinationShaper, float], None]] = {}
         self._links: dict[int, _Link] = {}  # the core's slots, by connection id
@@ -193,6 +195,19 @@ class DeliveryManager:
             )
         else:
             self.policies.reconfigure(cfg.mta_sts, sts_context)
+        if self.tls_reports is None:
+            self.tls_reports = TlsReports(
+                cfg,
+                sts_context,
+                self.resolver,
+                self.spool.layout.tls_reports,
+                self.hostname,
+                self._queue_report,
+                self.spool.ids.next,
+            )
+        else:
+            self.tls_reports.reconfigure(cfg, sts_context)
+        self.sender.on_tls = self.policies.on_failure = self.tls_reports.record
         self.classes = {name: (c.priority, c.weight) for name, c in cfg.classes.items()}
         self.first_class = class_order({n: c.priority for n, c in cfg.classes.items()})[0]
         self.settle_settings = {
@@ -272,6 +287,11 @@ class DeliveryManager:
         return self.policies
 
     @property
+    def _reports(self) -> TlsReports:
+        assert self.tls_reports is not None  # made by reconfigure in __init__
+        return self.tls_reports
+
+    @property
     def _core(self) -> Scheduler[WorkItem]:
         assert self.core is not None  # made by reconfigure in __init__
         return self.core
@@ -292,9 +312,11 @@ class DeliveryManager:
         self._learned = self._load_learned()
         self._load_egress()
         self._sts.load()
+        self._reports.load()
         self._started = True
         self._spawn(self._schedule_queue(list(self.spool.messages), time.time()))
         self._spawn(self._expiry_sweep())
+        self._spawn(self._reports.run())
 
     async def _schedule_queue(self, message_ids: list[str], now: float) -> None:
         """Schedule the queue found at start, a chunk at a time: a million messages take
@@ -347,6 +369,7 @@ class DeliveryManager:
         await self.revalidation.close()
         await self._sts.close()
         if self._started:
+            await self._reports.close()
             self._save_learned(self._learned_data(time.time()))
             self._save_egress(self.egress.encode(time.time()))
 
@@ -594,6 +617,8 @@ class DeliveryManager:
                     self.resolver.route(hop), self._sts.applied(hop.host)
                 )
                 route = restricted(route, sts)
+                if isinstance(route, Route):
+                    route = msgspec.structs.replace(route, tls_domain=hop.host)
             else:
                 route = await self.resolver.route(hop)
         except Exception as exc:
@@ -825,6 +850,7 @@ class DeliveryManager:
                 item.route.sts,
                 destination.source,
                 suspend=not same_host,
+                domain=item.route.tls_domain,
             )
         except Exception as exc:  # a bug: the attempt counts, as a local error
             log.exception("attempt_failed", id=item.message_id)
@@ -1312,11 +1338,29 @@ class DeliveryManager:
             klass=self.cfg.dsn.klass,
             lifetime=self.cfg.dsn.lifetime,
         )
-        if self.sign_notice is not None:
-            notice, content = self.sign_notice(notice, content)
-        stored = self.spool.accept(notice, content)  # now: a stop finds it queued
+        stored, notice, content = self._accept_own(notice, content)  # now: a stop finds it
         fields = {"id": dsn_id, "kind": kind, "about": message.id, "to": message.sender}
         return self._spawn(self._store_notice(stored, notice, content, fields))
+
+    def _accept_own(
+        self, message: Message, content: bytes
+    ) -> tuple[asyncio.Future, Message, bytes]:
+        """Store mail of our own (a DSN, a TLS report), DKIM-signed if a key applies."""
+        if self.sign_notice is not None:
+            message, content = self.sign_notice(message, content)
+        return self.spool.accept(message, content), message, content
+
+    async def _queue_report(self, message: Message, content: bytes) -> bool:
+        """Queue a TLS report's mail: True once durable. Tried once: a report that could
+        not be stored is tried again with the report's retries (tls_reports.py)."""
+        stored, message, _ = self._accept_own(message, content)
+        try:
+            await stored
+        except (StorageFull, StorageError) as exc:
+            log.error("tls_report_mail_failed", id=message.id, error=str(exc))
+            return False
+        log.info("tls_report_queued", id=message.id, to=message.recipients[0].address)
+        return True
 
     async def _store_notice(
         self, stored: asyncio.Future, notice: Message, content: bytes, fields: dict

@@ -34,6 +34,7 @@ from ..policy.mta_sts import (
     parse_record,
     plan,
 )
+from ..policy.tls_report import Session, fetch_result_type
 from ..routing.resolver import Resolver, Route, RouteFailure
 from ..spool import statefile
 
@@ -74,6 +75,8 @@ class Policies:
         self._in_flight: dict[str, asyncio.Task[Policy | None]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._saved = b""
+        # A failed fetch that leaves the domain without a policy (TLS-RPT counts it)
+        self.on_failure: Callable[[Session], None] | None = None
         self.reconfigure(cfg, context)
 
     def reconfigure(self, cfg: config.MtaStsConfig, context: ssl.SSLContext) -> None:
@@ -114,7 +117,7 @@ class Policies:
                 decided = await self._shared_fetch(domain, decided.id)
         if decided is None or decided.mode == NONE:
             return None
-        return Applied(domain, decided.mode, decided.mx, decided.id)
+        return Applied(domain, decided.mode, decided.mx, decided.id, decided.max_age)
 
     async def _shared_fetch(self, domain: str, ident: str) -> Policy | None:
         task = self._in_flight.get(domain)
@@ -154,9 +157,11 @@ class Policies:
         port = self.cfg.https_port
         authority = f"mta-sts.{domain}" + ("" if port == 443 else f":{port}")
         url = f"https://{authority}{WELL_KNOWN}"
+        invalid = False
         try:
             text = await asyncio.wait_for(self._get(url), self.cfg.fetch_timeout)
             policy = parse_policy(text, ident, self._clock())
+            invalid = isinstance(policy, str)
         except TimeoutError:
             policy = f"no answer within {self.cfg.fetch_timeout:g}s"
         except (aiohttp.ClientError, OSError, ValueError) as exc:
@@ -164,6 +169,9 @@ class Policies:
         if isinstance(policy, str):
             kept = domain in self._cache and not self._cache[domain].expired(self._clock())
             log.warning("mta_sts_fetch_failed", domain=domain, url=url, error=policy, kept=kept)
+            if not kept and self.on_failure is not None:
+                kind = fetch_result_type(policy, invalid)
+                self.on_failure(Session(domain, None, "", "", kind, policy[:300]))
             return None
         return policy
 
@@ -182,10 +190,7 @@ class Policies:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(
-                ssl=self.context, resolver=_PolicyHostResolver(self.resolver)
-            )
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = https_client(self.context, self.resolver)
         return self._session
 
     async def _save(self, now: float) -> None:
@@ -201,6 +206,13 @@ class Policies:
             log.warning("mta_sts_state_save_failed", error=str(exc))
             return
         self._saved = data
+
+
+def https_client(context: ssl.SSLContext, resolver: Resolver) -> aiohttp.ClientSession:
+    """An HTTPS client that trusts `context` and resolves names through the daemon's
+    resolver (policy hosts here, TLS-RPT collectors in tls_reports.py)."""
+    connector = aiohttp.TCPConnector(ssl=context, resolver=_PolicyHostResolver(resolver))
+    return aiohttp.ClientSession(connector=connector)
 
 
 def restricted(route: Route | RouteFailure, sts: Applied | None) -> Route | RouteFailure:
@@ -235,8 +247,8 @@ def violation(sts: Applied, host: str, reason: str, action: str, ip: str | None 
 
 
 class _PolicyHostResolver(aiohttp.abc.AbstractResolver):
-    """aiohttp resolves mta-sts.<domain> through the daemon's resolver (dns.nameservers),
-    as the MX hosts are."""
+    """aiohttp resolves mta-sts.<domain> (and TLS-RPT collectors) through the daemon's
+    resolver (dns.nameservers), as the MX hosts are."""
 
     def __init__(self, resolver: Resolver) -> None:
         self._resolver = resolver

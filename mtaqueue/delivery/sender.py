@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import ssl
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import msgspec
@@ -26,6 +26,7 @@ from ..policy.mta_sts import AS_USUAL, VERIFY, Applied, requirement
 from ..policy.replies import Reply
 from ..policy.settle import Result
 from ..policy.shaper import REFUSALS_PER_CONNECTION
+from ..policy.tls_report import Session, result_type
 from ..routing.pools import Source, family_of
 from ..routing.relays import STARTTLS
 from ..routing.resolver import Route
@@ -59,6 +60,7 @@ class Sender:
         # MTA-STS: STARTTLS required, the certificate verified for the MX name (as a
         # smarthost's required TLS is, smtp/client.py).
         self._sts_tls = Smarthost(STARTTLS, sts_context) if sts_context is not None else None
+        self.on_tls: Callable[[Session], None] | None = None  # each TLS attempt (TLS-RPT)
 
     def candidates(
         self,
@@ -166,22 +168,31 @@ class Sender:
         source: Source | None = None,
         *,
         suspend: bool = True,
+        domain: str = "",
     ) -> SmtpConnection | Reply:
         """`last_one`: no other host is left to try (see `tries_next`); `smarthost`: the
         relay's TLS and AUTH, for a relay destination; `sts`: the recipient domain's
         MTA-STS policy, for an MX destination; `source`: the pool's address to bind and
         its EHLO name; `suspend` False: a failure does not suspend the host (another of
-        its addresses is tried next)."""
+        its addresses is tried next); `domain`: the recipient domain whose own MX `host`
+        is, whose TLS result is counted (TLS-RPT)."""
         client = self.client
         if source is not None:
             helo = source.helo or client.helo_name
             client = dataclasses.replace(client, helo_name=helo, source=source.address)
+        tls = _TlsOutcome(self.on_tls if domain else None, domain, sts, host, ip)
         try:
             need = requirement(sts, host) if self._sts_tls is not None else AS_USUAL
             if sts is None or need == AS_USUAL:
-                return await self._open(host, ip, port, smarthost, client)
-            return await self._open_sts(host, ip, port, sts, need, client)
+                conn = await self._open(host, ip, port, smarthost, client, tls)
+            else:
+                conn = await self._open_sts(host, ip, port, sts, need, client, tls)
+            if conn.tls:
+                tls.succeeded()
+            return conn
         except ConnectFailed as failed:
+            if failed.reply.phase == "starttls":
+                tls.failed(failed.reply)
             verdict = classify(failed.reply, self.rules)
             paced = last_one and verdict.kind == THROTTLING
             # Refused credentials are ours, not the host's: the destination's breaker (by
@@ -193,7 +204,13 @@ class Sender:
             return failed.reply
 
     async def _open(
-        self, host: str, ip: str, port: int, smarthost: Smarthost | None, client: ClientSettings
+        self,
+        host: str,
+        ip: str,
+        port: int,
+        smarthost: Smarthost | None,
+        client: ClientSettings,
+        tls: _TlsOutcome,
     ) -> SmtpConnection:
         try:
             return await SmtpConnection.open(host, ip, port, client, smarthost=smarthost)
@@ -201,13 +218,21 @@ class Sender:
             required = smarthost is not None and smarthost.tls  # never in clear text then
             if failed.reply.phase != "starttls" or client.tls != "opportunistic" or required:
                 raise
+            tls.failed(failed.reply)
             # Opportunistic TLS: a broken handshake falls back to clear text.
             return await SmtpConnection.open(
                 host, ip, port, client, use_tls=False, smarthost=smarthost
             )
 
     async def _open_sts(
-        self, host: str, ip: str, port: int, sts: Applied, need: str, client: ClientSettings
+        self,
+        host: str,
+        ip: str,
+        port: int,
+        sts: Applied,
+        need: str,
+        client: ClientSettings,
+        tls: _TlsOutcome,
     ) -> SmtpConnection:
         """TLS with a certificate valid for the MX name. Without it: enforce defers
         (never clear text); testing logs the violation and delivers as usual."""
@@ -220,8 +245,9 @@ class Sender:
             enforced = need == VERIFY
             action = "deferred" if enforced else "delivered as usual"
             mta_sts.violation(sts, host, reply.text, action, ip)
+            tls.failed(reply)  # before the fallback's own TLS, which is not the policy's
             if not enforced:
-                return await self._open(host, ip, port, None, client)
+                return await self._open(host, ip, port, None, client, tls)
             why = f"{reply.text} (MTA-STS: {sts.domain} requires TLS with a valid certificate)"
             raise ConnectFailed(msgspec.structs.replace(reply, text=why)) from None
         conn.verified = True
@@ -273,6 +299,33 @@ class Sender:
     ) -> Result:
         verdict = classify(reply, self.rules, ambiguous_policy=self.delivery.ambiguous)
         return Result(index, reply, verdict, host, ip, dsn_relayed=relayed)
+
+
+class _TlsOutcome:
+    """One connection's TLS result, counted once (a testing-mode fallback that then gets
+    unverified TLS is still the failure), if `report` is given."""
+
+    def __init__(
+        self,
+        report: Callable[[Session], None] | None,
+        domain: str,
+        sts: Applied | None,
+        host: str,
+        ip: str,
+    ) -> None:
+        self._report, self._session = report, Session(domain, sts, host, ip)
+
+    def succeeded(self) -> None:
+        self._count()
+
+    def failed(self, reply: Reply) -> None:
+        kind = result_type(reply.text, reply.code)
+        self._count(kind, reply.line()[:300])
+
+    def _count(self, failure: str = "", reason: str = "") -> None:
+        if self._report is not None:
+            self._report(msgspec.structs.replace(self._session, failure=failure, reason=reason))
+            self._report = None
 
 
 def _address(source: Source | None) -> str:

@@ -158,6 +158,7 @@ class Applied(msgspec.Struct, frozen=True):
     mode: str  # ENFORCE or TESTING
     mx: tuple[str, ...]
     id: str
+    max_age: int = 0  # seconds (a TLS-RPT report quotes the policy)
 
 
 def eligible(applied: Applied, hosts: list[str]) -> tuple[list[str], list[str]]:

@@ -41,6 +41,7 @@ class Route(msgspec.Struct, frozen=True):
     hosts: tuple[MxHost, ...]  # in the order to try; addresses already ordered and capped
     port: int
     sts: Applied | None = None  # the recipient domain's MTA-STS policy (delivery/mta_sts.py)
+    tls_domain: str = ""  # the recipient domain, if these are its own MX hosts (TLS-RPT)
 
 
 class RouteFailure(msgspec.Struct, frozen=True):

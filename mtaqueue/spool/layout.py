@@ -19,6 +19,7 @@ EVENTS_DIR = "events"  # the event log and the endpoints' cursors (event_log.py)
 LEARNED_FILE = "learned.json"  # what destinations taught the shapers (statefile.py)
 EGRESS_FILE = "egress.json"  # sources out for a destination, IPv4-only destinations
 MTA_STS_FILE = "mta_sts.json"  # the MTA-STS policies cached (delivery/mta_sts.py)
+TLS_REPORTS_FILE = "tls_reports.json"  # TLS-RPT counts and reports under way
 TMP_SUFFIX = ".tmp"
 
 
@@ -33,6 +34,7 @@ class SpoolLayout:
         self.learned = self.root / LEARNED_FILE
         self.egress = self.root / EGRESS_FILE
         self.mta_sts = self.root / MTA_STS_FILE
+        self.tls_reports = self.root / TLS_REPORTS_FILE
 
     def message_dir(self, queue_id: str) -> Path:
         return self.messages / queue_id[6] / queue_id[7:9]
