@@ -9,7 +9,7 @@ import time
 
 import pytest
 from e2e_helpers import BODY, FAST, MailNet, events, wait_for
-from smtp_peer import Context
+from smtp_peer import Context, Late
 
 from mtaqueue.policy.warmup import day_of
 
@@ -125,6 +125,20 @@ def test_a_host_that_refuses_one_source_is_still_tried_from_the_other(net, start
     shown = destinations(daemon)
     assert list(shown[f"{mx}@{A}"]["suspended_hosts"]) == [mx]
     assert shown[f"{mx}@{B}"]["suspended_hosts"] == {}
+
+
+def test_mail_queued_behind_a_refused_source_moves_to_the_other_at_once(net, start_daemon):
+    """A slow refusal (1 s) lets mail queue at A's destination before A is suspended
+    there: it goes to B, not into a wait for A's suspension (1 h)."""
+    (peer,) = net.peers
+    refusal = Late(1.0, f"554 5.7.1 {A}: no SMTP service for your address")
+    peer.on("banner", lambda ctx: refusal if ctx.client_ip == A else None)
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, *POOL, "delivery.host_suspend=1h")
+    for i in range(10):
+        daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+    received = peer.wait_messages(10, timeout=20)
+    assert {m.client_ip for m in received} == {B}
+    wait_for(lambda: not daemon.messages(), what="the queue empty")
 
 
 def test_a_host_down_for_both_sources_is_down_for_every_source(net, start_daemon):

@@ -898,13 +898,28 @@ class DeliveryManager:
     def _suspended(self, destination: Destination, item: WorkItem, wait: Suspended) -> None:
         """Every host is suspended: an internal wait, not an attempt, once; suspended
         again, that counts, with the reason (Postfix's "delivery temporarily
-        suspended"), and the next try follows the retry schedule."""
+        suspended"), and the next try follows the retry schedule. Unless the suspensions
+        are its source's and another source of its pool may reach a host: it goes there
+        now (mail queued behind a source that a host refused must not wait for it)."""
+        if self._another_source_reaches(destination, item):
+            self._replace(destination, [item], time.time())
+            return
         if self._uncharged_wait(item.message_id):
             self._unbusy(item.message_id, item.indexes)
             self._schedule(item.message_id, wait.until)
             return
         results = [self.sender.result(i, wait.reply, None, None) for i in item.indexes]
         self._finish(item.message_id, item.indexes, results, destination=destination.key)
+
+    def _another_source_reaches(self, destination: Destination, item: WorkItem) -> bool:
+        if destination.source is None:
+            return False
+        pool = self.pools.for_message(item.klass, item.tenant)
+        now = time.time()
+        return pool is not None and any(
+            source != destination.source and not self.sender.all_suspended(item.route, now, source)
+            for source in pool.sources
+        )
 
     async def _send(self, conn: int, item: WorkItem) -> None:
         """One transaction on an open connection, for the core."""
