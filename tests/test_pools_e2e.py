@@ -105,21 +105,29 @@ def test_a_blocklisted_source_leaves_that_destination_while_the_other_delivers(n
 # -- host suspensions per (source, host) (policy/hosts.py) ----------------------------------
 
 
-def test_a_host_that_refuses_one_source_is_still_tried_from_the_other(net, start_daemon):
+REFUSAL = f"554 5.7.1 {A}: no SMTP service for your address"
+
+
+def refused_at_a(net, start_daemon, refusal):
+    """Ten messages through the pool, the peer refusing source A at its greeting; the
+    suspension lasts 1 h, so that mail waiting for it would fail: all must leave via B."""
     (peer,) = net.peers
-    refusal = f"554 5.7.1 {A}: no SMTP service for your address"
     peer.on("banner", lambda ctx: refusal if ctx.client_ip == A else None)
-    # Long enough that mail waiting for a suspension shared with A would fail the test.
     daemon = start_daemon(*net.daemon_overrides(), *FAST, *POOL, "delivery.host_suspend=1h")
     for i in range(10):
         daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
     received = peer.wait_messages(10, timeout=20)
     assert {m.client_ip for m in received} == {B}
+    wait_for(lambda: not daemon.messages(), what="the queue empty")
+    return daemon, peer
+
+
+def test_a_host_that_refuses_one_source_is_still_tried_from_the_other(net, start_daemon):
+    daemon, peer = refused_at_a(net, start_daemon, REFUSAL)
     (suspended,) = events(daemon, "host_suspended")
     assert suspended["source"] == A and suspended["every_source"] is False
     assert suspended["host"] == "mx.example.org"
-    # The mail A failed with went to B at its retry; none waits for the host's release.
-    wait_for(lambda: not daemon.messages(), what="the queue empty")
+    # The mail A failed with went to B at its retry.
     assert sum(e.phase == "banner" and e.client_ip == A for e in peer.log) == 1
     mx = f"mx.example.org:{peer.port}"
     shown = destinations(daemon)
@@ -129,16 +137,8 @@ def test_a_host_that_refuses_one_source_is_still_tried_from_the_other(net, start
 
 def test_mail_queued_behind_a_refused_source_moves_to_the_other_at_once(net, start_daemon):
     """A slow refusal (1 s) lets mail queue at A's destination before A is suspended
-    there: it goes to B, not into a wait for A's suspension (1 h)."""
-    (peer,) = net.peers
-    refusal = Late(1.0, f"554 5.7.1 {A}: no SMTP service for your address")
-    peer.on("banner", lambda ctx: refusal if ctx.client_ip == A else None)
-    daemon = start_daemon(*net.daemon_overrides(), *FAST, *POOL, "delivery.host_suspend=1h")
-    for i in range(10):
-        daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
-    received = peer.wait_messages(10, timeout=20)
-    assert {m.client_ip for m in received} == {B}
-    wait_for(lambda: not daemon.messages(), what="the queue empty")
+    there: it goes to B, not into a wait for A's suspension."""
+    refused_at_a(net, start_daemon, Late(1.0, REFUSAL))
 
 
 def test_a_host_down_for_both_sources_is_down_for_every_source(net, start_daemon):
