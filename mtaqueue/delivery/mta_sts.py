@@ -198,14 +198,12 @@ class Policies:
             return
         self._cache = {d: p for d, p in self._cache.items() if not p.expired(now)}
         data = msgspec.json.encode(self._cache)
-        if data == self._saved:
-            return
-        try:
-            await asyncio.to_thread(statefile.write_atomic, self._state, data)
-        except OSError as exc:  # kept in memory; the next fetch saves again
-            log.warning("mta_sts_state_save_failed", error=str(exc))
-            return
-        self._saved = data
+        self._saved = await statefile.save_changed(
+            self._state,
+            data,
+            self._saved,
+            lambda exc: log.warning("mta_sts_state_save_failed", error=str(exc)),
+        )
 
 
 def https_client(context: ssl.SSLContext, resolver: Resolver) -> aiohttp.ClientSession:

@@ -114,14 +114,12 @@ class TlsReports:
 
     async def save(self) -> None:
         data = self.counts.encode()
-        if data == self._saved:
-            return
-        try:
-            await asyncio.to_thread(statefile.write_atomic, self._state, data)
-        except OSError as exc:  # kept in memory; the next sweep saves again
-            log.warning("tls_reports_save_failed", error=str(exc))
-            return
-        self._saved = data
+        self._saved = await statefile.save_changed(
+            self._state,
+            data,
+            self._saved,
+            lambda exc: log.warning("tls_reports_save_failed", error=str(exc)),
+        )
 
     async def send_due(self, now: float, *, today: bool = False) -> list[dict]:
         """Send the reports due (`today`: every ended day's now, and today's so far);

@@ -7,7 +7,9 @@ old one, and the directory is fsynced so that the rename itself is durable.
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from .layout import TMP_SUFFIX
@@ -37,3 +39,19 @@ def read(path: Path) -> bytes | None:
         return path.read_bytes()
     except FileNotFoundError:
         return None
+
+
+async def save_changed(
+    path: Path, data: bytes, saved: bytes, failed: Callable[[OSError], None]
+) -> bytes:
+    """Write `data` (in a thread) unless it is what was last written (`saved`); what is
+    written now. A failure goes to `failed` (to log) and leaves `saved`: the state is
+    still in memory, and the next save tries again."""
+    if data == saved:
+        return saved
+    try:
+        await asyncio.to_thread(write_atomic, path, data)
+    except OSError as exc:
+        failed(exc)
+        return saved
+    return data
