@@ -73,9 +73,8 @@ class SigningService:
     def fill(self, signed: Signed) -> bytes:
         """The content with its signatures made, for a message the spool's threads write
         rather than its writer (past spool.stream_threshold). Blocking: in a thread."""
-        private = {key_id: key.private for key_id, key in self.signer.by_id.items()}
         try:
-            return fill(signed.content, signed.pending, private)
+            return fill(signed.content, signed.pending, self.signer.private)
         except (KeyError, ValueError) as exc:  # a reload took the key: a 451, then again
             log.error("dkim_signing_failed", id=signed.message.id, error=repr(exc))
             raise SigningError(f"signing failed: {exc!r}") from None

@@ -34,6 +34,7 @@ class Signer:
     def __init__(self, keys: dict[str, tuple[SigningKey, ...]]) -> None:
         self.keys = keys  # lower-case domain -> its keys
         self.by_id = {key.key_id: key for domain in keys.values() for key in domain}
+        self.private = {key_id: key.private for key_id, key in self.by_id.items()}
 
     def keys_for(self, fields: list[tuple[bytes, bytes]]) -> tuple[SigningKey, ...]:
         """The keys that sign a message with these header fields (none: unsigned)."""
@@ -56,8 +57,7 @@ class Signer:
         presigned = self.prepare(content, now)
         if presigned is None:
             return None
-        private = {key_id: key.private for key_id, key in self.by_id.items()}
-        return fill(presigned.fields, presigned.pending, private), presigned.content
+        return fill(presigned.fields, presigned.pending, self.private), presigned.content
 
     def prepare(self, content: bytes, now: float) -> Presigned | None:
         """As sign(), but the signature values left to make (all the rest is done)."""

@@ -663,6 +663,8 @@ class _WriterLink(ChildLink):
     def keys_for(self, ops: list[Op], pems: dict[str, bytes]) -> dict[str, bytes]:
         """The keys to send with a batch of these ops: those it signs with that this
         writer has not been given (a new writer is given them again)."""
+        if not pems:  # no DKIM keys: nothing to look for in the batch
+            return {}
         wanted = {p.key_id for op in ops if isinstance(op, Accept) for p in op.signatures}
         new = {key_id: pems[key_id] for key_id in wanted - self.keys_given if key_id in pems}
         self.keys_given.update(new)
