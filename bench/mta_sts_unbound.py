@@ -247,6 +247,8 @@ class Bench:
             f"delivery.port={self.postfix[receiver].port}",
             f"mta_sts.ca_file={self.ca.path}",
             f"mta_sts.https_port={self.https_port}",
+            config=HERE.parent / "conf" / "mtaqueue.toml",  # the shipped config, its timers
+            retry=None,
         )
 
     def offsets(self) -> dict[str, int]:
