@@ -4,12 +4,13 @@
 
 mtaqueue (this tree's daemon, a subprocess, the shipped conf/mtaqueue.toml with only each
 scenario's keys overridden: the pool, delivery.address_order, delivery.port and
-dns.nameservers) delivers to a private Postfix 3.7 in `receive` mode (postfix_instance.py:
-what it accepts is logged and discarded) on loopback. The MX, A and AAAA records come from
-a private Unbound (unbound_instance.py): example.org's MX has an A record (127.0.0.1),
-example.net's an A (127.0.0.1) and an AAAA (::1). What happened is read from Postfix's
-maillog (the client IPs and HELO names smtpd logged, what it queued and refused), then
-compared with what mtaqueue says (its JSON log, `mtaqueue-ctl domains`, egress.json).
+dns.nameservers; 3c's pool also its warmup_spread) delivers to a private Postfix 3.7 in
+`receive` mode (postfix_instance.py: what it accepts is logged and discarded) on loopback.
+The MX, A and AAAA records come from a private Unbound (unbound_instance.py): example.org's
+MX has an A record (127.0.0.1), example.net's an A (127.0.0.1) and an AAAA (::1). What
+happened is read from Postfix's maillog (the client IPs and HELO names smtpd logged, what
+it queued and refused), then compared with what mtaqueue says (its JSON log,
+`mtaqueue-ctl domains`, egress.json).
 
 Every scenario runs against a fresh Postfix and a fresh spool:
 
@@ -19,7 +20,17 @@ Every scenario runs against a fresh Postfix and a fresh spool:
    .12 for that destination shows in `mtaqueue-ctl domains` and egress.json.
 3. warm-up: (a) .11 warm and .12 with `warmup = [K, ...]`: at most K messages via .12
    today, the rest via .11; (b) a pool of .12 alone: K go, the rest wait for the next UTC
-   day (not bounced, no attempt charged), shown as deferred with the warm-up state.
+   day (not bounced, no attempt charged), shown as deferred with the warm-up state;
+   (c) the next UTC day comes: the daemon runs under libfaketime, its wall clock started
+   LEAD (25) s before a UTC midnight (a relative offset, so that its spool writer and a
+   restarted daemon read the same faked time; the monotonic clock, its timers, is real).
+   A pool of .12 alone with `warmup = [K, 2K, 4K]`, 3K + 2 messages: K go before the
+   faked midnight, the rest wait; after it the ramp is on step 2 (day 1 had no deferral:
+   policy/warmup.py `roll` advances it) and 2K of the waiting mail go, in their first
+   attempt, within the pool's `warmup_spread` (10 s here; shipped 1h, longer than a bench
+   should wait) of midnight; the last 2 wait again, for day 3. A restart after midnight
+   keeps the step and the day's count (egress.json, `mtaqueue-ctl domains`). Postfix runs
+   on the real clock: its maillog's times are read with the offset added.
 4. IPv6: (a) `ipv6-first`, Postfix on IPv4 only: the IPv6 connect is refused and the same
    attempt goes over IPv4; (b) Postfix on both, refusing IPv6 clients with Gmail's
    IPv6/PTR reply -> the destination becomes IPv4-only and the mail goes over IPv4 at
@@ -28,20 +39,25 @@ Every scenario runs against a fresh Postfix and a fresh spool:
    (smtpd_reject_footer_maps) the other two.
 
 Timers: the shipped ones (the retry schedule starts at 5 minutes, so mail delivered within
-seconds was not retried). Loopback only (127.0.0.0/8 and ::1). Needs root, Debian's postfix
-and unbound packages; exits 2 without them, 1 if a check fails.
+seconds was not retried). Loopback only (127.0.0.0/8 and ::1). Needs root, Debian's postfix,
+unbound and faketime (libfaketime, for 3c) packages; exits 2 without them, 1 if a check
+fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import glob
 import json
+import os
 import smtplib
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +95,54 @@ GMAIL_IPV6_MORE = (
     "not meet IPv6 sending guidelines regarding PTR records and",
     "authentication. https://support.google.com/mail/?p=IPv6AuthError",
 )
+# Scenario 3c's faked clock: the daemon starts LEAD seconds before this UTC midnight.
+MIDNIGHT = datetime(2026, 12, 2, tzinfo=UTC).timestamp()
+LEAD = 25.0
+DAY = 86400.0
+WAKE_SPREAD = 10  # s, its pool's warmup_spread (shipped: 1h, which the bench cannot wait)
 PROVIDER_CF = {
     "myhostname": "mx.example.org",
     # Log the accepted RCPTs too ("permit: ... helo=<...>"): smtpd logs HELO names only there.
     "smtpd_log_access_permit_actions": "static:all",
     "smtpd_relay_restrictions": "permit_auth_destination, reject",
 }
+
+
+def libfaketime() -> str | None:
+    """Debian's libfaketime (`apt-get install faketime`), if installed."""
+    for pattern in (
+        "/usr/lib/*/faketime/libfaketime.so.1",
+        "/usr/lib/faketime/libfaketime.so.1",
+        "/usr/local/lib/faketime/libfaketime.so.1",
+    ):
+        if found := sorted(glob.glob(pattern)):
+            return found[0]
+    return None
+
+
+def faked_clock(offset: float) -> dict[str, str]:
+    """The environment that moves a process's wall clock (time.time(), what the JSON log
+    stamps) by `offset` seconds, its children's too (they inherit it): a relative offset,
+    so that every process, started when it may, reads the same faked time. The monotonic
+    clock (asyncio's timers) is left alone: they run in real seconds."""
+    library = libfaketime()
+    assert library is not None
+    preload = " ".join(filter(None, (library, os.environ.get("LD_PRELOAD"))))
+    return {
+        "LD_PRELOAD": preload,
+        "FAKETIME": f"{offset:+.6f}",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+
+
+def stamp(t: float) -> str:
+    """A UTC time as the daemon's log has it, to the millisecond: "23:59:35.123"."""
+    return datetime.fromtimestamp(t, UTC).strftime("%H:%M:%S.%f")[:-3]
+
+
+def logged(event: dict) -> float:
+    """The time of a JSON log event (its "timestamp", ISO, UTC)."""
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 def pool(*sources: str) -> list[str]:
@@ -106,10 +164,14 @@ class Scenario:
     ipv6: bool = False  # Postfix listens on [::1] too
     client_access: dict[str, str] = field(default_factory=dict)
     reply_lines: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The daemon's wall clock at its start (libfaketime); None: the real clock.
+    fake_start: float | None = None
+    offset: float = 0.0  # then the faked clock less the real one (Postfix's)
     rows: list[tuple[str, str, str, bool]] = field(default_factory=list)
     pf: PostfixInstance | None = None
     daemon: Mtaqueue | None = None
     log: dict[str, Any] = field(default_factory=dict)
+    _start: Callable[[], Mtaqueue] | None = None
 
     @contextlib.contextmanager
     def run(self, *overrides: str) -> Iterator[Scenario]:
@@ -132,14 +194,23 @@ class Scenario:
             cleanup=not self.keep,
         )
         with self.pf:
-            self.daemon = Mtaqueue(
+            env = {}
+            if self.fake_start is not None:
+                # A whole real second at the faked midnight: Postfix logs whole seconds.
+                real = float(int(time.time() + MIDNIGHT - self.fake_start) + 1)
+                self.offset = MIDNIGHT - real
+                env = faked_clock(self.offset)
+            self._start = functools.partial(
+                Mtaqueue,
                 directory,
                 f'dns.nameservers=["{self.dns.address}"]',
                 f"delivery.port={port}",
                 *overrides,
                 config=SHIPPED,
                 retry=None,
+                env=env,
             )
+            self.daemon = self._start()
             try:
                 yield self
             except BaseException:
@@ -150,6 +221,19 @@ class Scenario:
                 self.daemon.stop()
                 time.sleep(1)  # postlogd writes asynchronously
                 self.log = received(self.pf.maillog)
+
+    def restart(self) -> dict:
+        """Stop the daemon, then start it again on the same spool (and faked clock); the
+        egress.json the stop left, read in between."""
+        assert self.daemon is not None and self._start is not None
+        self.daemon.stop()
+        saved = self.egress()
+        self.daemon = self._start()
+        return saved
+
+    def now(self) -> float:
+        """The daemon's clock."""
+        return time.time() + self.offset
 
     @property
     def mx(self) -> str:
@@ -361,6 +445,163 @@ def warmup_alone(s: Scenario, n: int, k: int) -> None:
     )
 
 
+def writer_faked(daemon: Mtaqueue) -> bool:
+    """Whether the daemon's children (the spool writer) run with libfaketime loaded."""
+    children = [p for p in Path("/proc").glob("[0-9]*") if _parent(p) == daemon.proc.pid]
+    try:
+        return bool(children) and all(
+            "libfaketime" in (p / "maps").read_text()
+            and b"FAKETIME=" in (p / "environ").read_bytes()
+            for p in children
+        )
+    except OSError:
+        return False
+
+
+def _parent(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def warmup_next_day(s: Scenario, n: int, k: int) -> None:
+    """N = 3K + 2 messages before the faked midnight: K go on day 1 (step 1), then 2K on
+    day 2 (step 2: a day with no deferrals advances the ramp, policy/warmup.py `roll`), and
+    the last 2 wait again, for day 3; a restart keeps day 2's step and count."""
+    schedule = f"[{k}, {2 * k}, {4 * k}]"
+    s.fake_start = MIDNIGHT - LEAD
+    spread = f'pools.bulk.warmup_spread="{WAKE_SPREAD}s"'
+    with s.run(*pool(source(B, schedule)), spread):
+        assert s.daemon is not None
+        ready = logged(s.daemon.wait("ready", 5)[0])
+        clock_ok = abs(ready - (MIDNIGHT - LEAD)) < 10 and abs(ready - s.now()) < 5
+        child_ok = writer_faked(s.daemon)
+        print(
+            f"  daemon's clock (libfaketime, offset {s.offset:+.0f} s): ready at"
+            f" {datetime.fromtimestamp(ready, UTC):%Y-%m-%d %H:%M:%S} UTC; the spool"
+            f" writer faked too: {child_ok}"
+        )
+        s.submit([f"day{i}@example.org" for i in range(n)])
+        day1 = s.delivered(k)
+        waits = s.daemon.wait("warmup_wait", 60, count=n - k)
+        time.sleep(1)  # nothing more may leave
+        key = f"{s.mx}@{B}"
+        before = s.domains().get(key, {})
+        queue = [json.loads(m) for m in s.daemon.ctl("list", "--json").splitlines()]
+        looked = s.now()
+        wait_text = [line.strip() for line in s.domains_text(key) if "warm-up" in line]
+        print(f"  {stamp(looked)}: mtaqueue-ctl domains, {key}: {wait_text}")
+        wakes = ", ".join(f"{w['until'] - MIDNIGHT:.1f}" for w in waits)
+        print(f"  warmup_wait until, in s after midnight: {wakes}")
+        # Day 2: the waiting mail comes back within the spread, and 2K of it goes.
+        left = MIDNIGHT + WAKE_SPREAD - s.now()
+        everything = s.delivered(3 * k, timeout=left + 60)
+        again = s.daemon.wait("warmup_wait", 30, count=n - k + (n - 3 * k))
+        time.sleep(1)
+        after = s.domains().get(key, {})
+        after_text = [line.strip() for line in s.domains_text(key) if "warm-up" in line]
+        print(f"  {stamp(s.now())}: mtaqueue-ctl domains, {key}: {after_text}")
+        first = s.events("delivery")
+        advanced = s.events("warmup_advanced")
+        held = s.events("warmup_held")
+        dsns = s.events("dsn_queued")
+        # A restart after midnight: day 2's step and count come back from egress.json.
+        saved = s.restart().get("warmup", {}).get(key, {})
+        restarted = s.domains().get(key, {})
+        again_text = [line.strip() for line in s.domains_text(key) if "warm-up" in line]
+        print(f"  egress.json at the restart: {key}: {saved}")
+        print(f"  {stamp(s.now())}, restarted: mtaqueue-ctl domains: {again_text}")
+        waited = s.daemon.wait("warmup_wait", 90, count=n - 3 * k)
+        wakes = ", ".join(
+            f"{stamp(logged(w))} until +1 day {w['until'] - MIDNIGHT - DAY:.1f} s" for w in waited
+        )
+        print(f"  after the restart, warmup_wait: {wakes}")
+        time.sleep(1)
+        later = s.events("delivery")
+        remaining = [json.loads(m) for m in s.daemon.ctl("list", "--json").splitlines()]
+    real = MIDNIGHT - s.offset
+    queued = [t for t, kind, ip, _ in s.log["sessions"] if kind == "queued" and ip == B]
+    pf_before = [t for t in queued if t < real]
+    pf_after = [t for t in queued if t >= real]
+    day2 = [e for e in everything if e not in day1]
+    rewaits = [w for w in again if w not in waits]
+
+    def span(times: list[float], digits: int = 12) -> str:
+        return f"{stamp(min(times))[:digits]}-{stamp(max(times))[:digits]}" if times else "-"
+
+    print(
+        f"  Postfix's maillog, {B}'s messages: {len(pf_before)} at {span(pf_before)} real ="
+        f" {span([t + s.offset for t in pf_before])} faked, {len(pf_after)} at"
+        f" {span(pf_after)} = {span([t + s.offset for t in pf_after])} faked"
+    )
+    print(
+        f"  mtaqueue's log (faked): {len(day1)} delivered at {span([logged(e) for e in day1])},"
+        f" {len(day2)} at {span([logged(e) for e in day2])}"
+    )
+    for e in advanced + held:
+        fields = ("step", "allowance", "sent", "deferred", "rate", "previous_rate")
+        shown = ", ".join(f"{f}={e.get(f)}" for f in fields)
+        print(f"  {stamp(logged(e))}: {e['event']} {e['source']} at {e['base']}: {shown}")
+    ramp0, ramp1, ramp2 = (d.get("warmup") or {} for d in (before, after, restarted))
+    rcpts = [r for m in queue for r in m["recipients"]]
+    left_over = [r for m in remaining for r in m["recipients"]]
+    ok = (
+        clock_ok
+        and child_ok
+        and len(pf_before) == k
+        and len(pf_after) == 2 * k
+        and messages_from(s.log, B) == 3 * k
+        and sum(c["messages"] for c in clients(s.log).values()) == 3 * k
+        # Day 1: K delivered before midnight, the rest waiting, uncharged, for day 2.
+        and all(logged(e) < MIDNIGHT for e in day1)
+        and looked < MIDNIGHT
+        and len({w["id"] for w in waits}) == n - k
+        and all(MIDNIGHT <= w["until"] <= MIDNIGHT + WAKE_SPREAD for w in waits)
+        and (ramp0.get("step"), ramp0.get("allowance"), ramp0.get("sent_today")) == (1, k, k)
+        and len(queue) == n - k
+        and all(r["attempts"] == 0 for r in rcpts)
+        # Day 2: step 2 (no deferral on day 1), 2K go in their first attempt, 2 wait again.
+        and all(MIDNIGHT <= logged(e) <= MIDNIGHT + WAKE_SPREAD + 30 for e in day2)
+        and len(day2) == 2 * k
+        and all(e["attempt"] == 1 for e in everything)
+        and len(advanced) == 1
+        and (advanced[0]["step"], advanced[0]["allowance"]) == (2, 2 * k)
+        and (advanced[0]["sent"], advanced[0]["deferred"]) == (k, 0)
+        and not held
+        and len({w["id"] for w in rewaits}) == n - 3 * k
+        and all(MIDNIGHT + DAY <= w["until"] <= MIDNIGHT + DAY + WAKE_SPREAD for w in rewaits)
+        and (ramp1.get("step"), ramp1.get("allowance"), ramp1.get("sent_today"))
+        == (2, 2 * k, 2 * k)
+        and ramp1.get("deferred_today") == 0
+        # The restart: the same step and count (egress.json), the 2 wait for day 3.
+        and (saved.get("step"), saved.get("sent"), saved.get("deferred")) == (1, 2 * k, 0)
+        and saved.get("day") == int(MIDNIGHT // DAY)
+        and (ramp2.get("step"), ramp2.get("sent_today")) == (2, 2 * k)
+        and all(MIDNIGHT + DAY <= w["until"] <= MIDNIGHT + DAY + WAKE_SPREAD for w in waited)
+        and not later
+        and len(remaining) == n - 3 * k
+        and all(r["attempts"] == 0 for r in left_over)
+        and len(first) == 3 * k
+        and not [e for e in first if e.get("outcome") != "delivered"]
+        and not dsns
+    )
+    s.check(
+        f"3c. pool of {B} alone, warming ({schedule}), {n} msgs before a faked UTC midnight",
+        f"{len(pf_before)} msgs from {B} before midnight (at"
+        f" {span([t + s.offset for t in pf_before], 8)} faked), {len(pf_after)} after (at"
+        f" {span([t + s.offset for t in pf_after], 8)}); {by_client(s.log)}",
+        f"day 1: step {ramp0.get('step')}, {ramp0.get('sent_today')} of"
+        f" {ramp0.get('allowance')} sent, {len(queue)} waiting (0 attempts); day 2:"
+        f" warmup_advanced to step {ramp1.get('step')}, {len(day2)} delivered in attempt 1"
+        f" within {WAKE_SPREAD} s of midnight, {ramp1.get('sent_today')} of"
+        f" {ramp1.get('allowance')} sent, {len(rewaits)} waiting for day 3; after a restart:"
+        f" step {ramp2.get('step')}, sent today {ramp2.get('sent_today')}, nothing more"
+        f" sent; 0 bounced",
+        ok,
+    )
+
+
 def ipv6_unreachable(s: Scenario, n: int) -> None:
     with s.run("delivery.address_order=ipv6-first"):
         start = s.submit([f"six{i}@example.net" for i in range(n)], klass="p1")
@@ -442,8 +683,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5, help="K, the first day's allowance")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args()
-    if not postfix_available() or not unbound_available():
-        print("needs root and Debian's postfix and unbound packages", file=sys.stderr)
+    if not postfix_available() or not unbound_available() or libfaketime() is None:
+        print("needs root and Debian's postfix, unbound and faketime packages", file=sys.stderr)
         return 2
     n, k = args.messages, args.warmup
     scenarios: list[tuple[str, Callable[[Scenario], None]]] = [
@@ -451,6 +692,7 @@ def main() -> int:
         ("blocklist", lambda s: blocklist(s, n)),
         ("warmup", lambda s: warmup_beside_warm(s, n, k)),
         ("warmup-alone", lambda s: warmup_alone(s, max(n // 2, k + 1), k)),
+        ("warmup-next-day", lambda s: warmup_next_day(s, 3 * k + 2, k)),
         ("ipv6-down", lambda s: ipv6_unreachable(s, 3)),
         ("ipv6-refused", lambda s: ipv6_refused(s, 3)),
     ]

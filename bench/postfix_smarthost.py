@@ -119,7 +119,8 @@ def postfix_settings(cert: Path, key: Path) -> dict[str, str]:
 class Mtaqueue:
     """This tree's daemon, its JSON log read in a thread. `config`: a config file (the
     shipped one, say) under the overrides. `retry`: the retry schedule to impose (None:
-    the config's)."""
+    the config's). `env`: more environment for the daemon (and so for its children) and
+    for `ctl`."""
 
     def __init__(
         self,
@@ -127,11 +128,13 @@ class Mtaqueue:
         *overrides: str,
         config: Path | None = None,
         retry: str | None = '["3s", "6s"]',
+        env: dict[str, str] | None = None,
     ) -> None:
         self.events: list[dict] = []
         self.port = 0
         self.spool = workdir / "spool"
-        env = {**os.environ, "PYTHONPATH": str(HERE.parent)}  # this tree, not an installed copy
+        # this tree, not an installed copy
+        self.env = env = {**os.environ, "PYTHONPATH": str(HERE.parent), **(env or {})}
         args = [sys.executable, "-m", "mtaqueue.daemon"]
         if config is not None:
             args += ["-c", str(config)]
@@ -188,8 +191,7 @@ class Mtaqueue:
         return subprocess.run(
             [sys.executable, "-m", "mtaqueue.control.ctl", "-s", str(self.spool / "control.sock"),
              *args],
-            capture_output=True, text=True, check=True, timeout=60,
-            env={**os.environ, "PYTHONPATH": str(HERE.parent)},
+            capture_output=True, text=True, check=True, timeout=60, env=self.env,
         ).stdout  # fmt: skip
 
     def stop(self) -> None:

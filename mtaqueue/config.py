@@ -389,6 +389,9 @@ class PoolConfig(_Table):
     # A source that draws a blocklist reply from a destination leaves for that long (for
     # that destination only; the pool's other sources carry on).
     blocklist_hold: Duration = _d("6h")
+    # Mail that waits for the next UTC day's warm-up allowance comes back spread over this
+    # much of that day's start, not all at midnight (0s: at midnight).
+    warmup_spread: Duration = _d("1h")
 
 
 EVENT_TYPES = (
@@ -776,6 +779,8 @@ def _validate_pool(path: str, pool: PoolConfig) -> None:
             raise ConfigError(f"{path}.sources[{i}].warmup: use increasing numbers above 0")
     if pool.blocklist_hold <= 0:
         raise ConfigError(f"{path}.blocklist_hold: must be more than 0s")
+    if not 0 <= pool.warmup_spread <= 86400:
+        raise ConfigError(f"{path}.warmup_spread: must be from 0s to 1d")
 
 
 def _check_url(url: str) -> None:

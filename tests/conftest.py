@@ -22,11 +22,15 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 @pytest.fixture
 def start_daemon(tmp_path):
-    """Factory: start_daemon("section.key=value", ..., config="toml") -> running DaemonProcess."""
+    """Factory: start_daemon("section.key=value", ..., config="toml", env={...}) -> running
+    DaemonProcess (`env`: added to its environment)."""
     started: list[DaemonProcess] = []
 
-    def start(*overrides: str, config: str | None = None, workdir=None) -> DaemonProcess:
+    def start(
+        *overrides: str, config: str | None = None, workdir=None, env: dict | None = None
+    ) -> DaemonProcess:
         daemon = DaemonProcess(workdir or tmp_path, *overrides, config=config)
+        daemon.env.update(env or {})
         started.append(daemon)
         return daemon.start()
 

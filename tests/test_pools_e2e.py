@@ -4,14 +4,16 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import time
+from datetime import datetime
 
 import pytest
 from e2e_helpers import BODY, FAST, MailNet, events, wait_for
 from smtp_peer import Context, Late
 
-from mtaqueue.policy.warmup import day_of
+from mtaqueue.policy.warmup import DAY, day_of
 
 A, B = "127.0.0.11", "127.0.0.12"
 POOL = (
@@ -270,6 +272,62 @@ def test_over_the_allowance_mail_waits_uncharged_and_a_restart_keeps_the_count(n
     assert len(peer.messages) == 2 and {r["attempts"] for r in waiting()} == {0}
     shown = daemon.ctl("domains")
     assert "step 1/1: sent today 2 of 2" in shown.stdout
+
+
+def test_with_a_spread_of_0s_waiting_mail_is_due_at_the_next_utc_midnight(net, start_daemon):
+    (peer,) = net.peers
+    spread = 'pools.bulk.warmup_spread="0s"'
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, *warming("[1]"), spread)
+    for i in range(3):
+        daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+    peer.wait_messages(1)
+    waits = wait_for(lambda: (w := events(daemon, "warmup_wait")) and len(w) == 2 and w)
+    assert {w["until"] for w in waits} == {(day_of(time.time()) + 1) * DAY}
+
+
+LIBFAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
+
+
+@pytest.mark.skipif(LIBFAKETIME is None, reason="needs libfaketime (apt-get install faketime)")
+def test_at_the_utc_midnight_waiting_mail_goes_with_the_next_steps_allowance(net, start_daemon):
+    """The daemon's wall clock (libfaketime) starts seconds before a UTC midnight; its
+    timers (the monotonic clock) run as ever."""
+    (peer,) = net.peers
+    lead = 8.0
+    midnight = (day_of(time.time()) + 1) * DAY
+    offset = midnight - lead - time.time()
+    clock = {
+        "LD_PRELOAD": str(LIBFAKETIME),
+        "FAKETIME": f"{offset:+.6f}",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+    spread = 'pools.bulk.warmup_spread="1s"'
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, *warming("[2, 4]"), spread, env=clock)
+    for i in range(6):
+        daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+    assert {m.client_ip for m in peer.wait_messages(2)} == {A}
+    waits = wait_for(lambda: (w := events(daemon, "warmup_wait")) and len(w) == 4 and w)
+    key = f"mx.example.org:{peer.port}@{A}"
+    day1 = destinations(daemon)[key]["warmup"]
+    assert time.time() + offset < midnight, "the daemon took too long to start"
+    assert (day1["step"], day1["allowance"], day1["sent_today"]) == (1, 2, 2)
+    assert all(midnight <= w["until"] <= midnight + 1 for w in waits)
+    # Past the daemon's midnight: 4 of the 4 waiting go (day 2: step 2), none charged.
+    peer.wait_messages(6, timeout=lead + 15)
+    delivered = wait_for(lambda: (d := events(daemon, "delivery")) and len(d) == 6 and d)
+
+    def at(event: dict) -> float:
+        return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+    assert sorted(at(e) >= midnight for e in delivered) == [False] * 2 + [True] * 4
+    assert max(at(e) for e in delivered) < midnight + 10  # at midnight, not later
+    assert {(e["outcome"], e["attempt"]) for e in delivered} == {("delivered", 1)}
+    (advanced,) = events(daemon, "warmup_advanced")
+    assert (advanced["step"], advanced["allowance"], advanced["sent"]) == (2, 4, 2)
+    assert advanced["deferred"] == 0 and not events(daemon, "warmup_held")
+    day2 = destinations(daemon)[key]["warmup"]
+    assert (day2["step"], day2["allowance"], day2["sent_today"]) == (2, 4, 4)
+    assert not daemon.messages()
 
 
 def ramps(daemon, *args: str) -> list[dict]:

@@ -70,6 +70,20 @@ def test_waiting_mail_comes_back_early_the_next_day_spread() -> None:
     assert len(set(wakes)) == 50
 
 
+def test_the_pools_warmup_spread_says_over_how_much_of_the_next_day() -> None:
+    rng = random.Random(2)
+    assert warmup.wake(T0, rng, 0.0) == 20_001 * DAY  # "0s": at midnight
+    assert warmup.wake(20_001 * DAY - 0.001, rng, 0.0) == 20_001 * DAY  # a moment before
+    wakes = [warmup.wake(T0, rng, 10.0) for _ in range(50)]
+    assert all(20_001 * DAY <= t <= 20_001 * DAY + 10.0 for t in wakes)
+    sources = 'pools.b.sources=["192.0.2.11"]'
+    assert Pools(config.load(None, [sources])).pools["b"].warmup_spread == WAKE_SPREAD
+    cfg = config.load(None, [sources, 'pools.b.warmup_spread="10s"'])
+    assert Pools(cfg).pools["b"].warmup_spread == 10.0
+    with pytest.raises(config.ConfigError, match=r"pools.b.warmup_spread: must be from 0s to 1d"):
+        config.load(None, [sources, 'pools.b.warmup_spread="2d"'])
+
+
 @given(
     st.lists(st.integers(1, 50), min_size=1, max_size=5, unique=True).map(sorted),
     st.lists(st.tuples(st.floats(0, 3 * DAY), st.booleans()), max_size=300),

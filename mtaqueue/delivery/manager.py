@@ -753,7 +753,7 @@ class DeliveryManager:
         back = self.egress.usable_after(pool.sources, base, families, now)
         if self.egress.warming(pool.sources, base, families, now):
             # Always uncharged: the schedule ends, and the wait is the point of warming.
-            until = min(warmup.wake(now, self.rng), back or float("inf"))
+            until = min(warmup.wake(now, self.rng, pool.warmup_spread), back or float("inf"))
             log.info("warmup_wait", id=item.message_id, destination=base, until=until)
             self._warm_waits.setdefault(base, {})[item.message_id] = until
             self._unbusy(item.message_id, item.indexes)

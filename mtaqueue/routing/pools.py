@@ -31,6 +31,7 @@ class Pool(msgspec.Struct, frozen=True):
     name: str
     sources: tuple[Source, ...]
     blocklist_hold: float
+    warmup_spread: float = 3600.0  # mail waiting for the next day's allowance: back over this
 
 
 def family_of(address: str) -> int:
@@ -48,7 +49,12 @@ class Pools:
     def __init__(self, cfg: config.Config) -> None:
         """The pools the config names (checked by config.load)."""
         self.pools = {
-            name: Pool(name, tuple(_source(s) for s in table.sources), table.blocklist_hold)
+            name: Pool(
+                name,
+                tuple(_source(s) for s in table.sources),
+                table.blocklist_hold,
+                table.warmup_spread,
+            )
             for name, table in cfg.pools.items()
         }
         self._classes = {n: c.pool for n, c in cfg.classes.items() if c.pool}
