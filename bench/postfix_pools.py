@@ -50,6 +50,7 @@ import argparse
 import contextlib
 import functools
 import glob
+import importlib.util
 import json
 import os
 import smtplib
@@ -109,7 +110,13 @@ PROVIDER_CF = {
 
 
 def libfaketime() -> str | None:
-    """Debian's libfaketime (`apt-get install faketime`), if installed."""
+    """Debian's libfaketime (`apt-get install faketime`), or the one the test dependency
+    `libfaketime` (pip) carries, if either is installed."""
+    spec = importlib.util.find_spec("libfaketime")
+    if spec is not None and spec.origin:
+        wheel = Path(spec.origin).parent / "vendor" / "libfaketime" / "src" / "libfaketime.so.1"
+        if wheel.is_file():
+            return str(wheel)
     for pattern in (
         "/usr/lib/*/faketime/libfaketime.so.1",
         "/usr/lib/faketime/libfaketime.so.1",
