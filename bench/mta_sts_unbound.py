@@ -175,6 +175,7 @@ class Session:
     accepted: list[str] = field(default_factory=list)  # recipients discarded (= accepted)
     errors: list[str] = field(default_factory=list)  # SSL_accept errors, lost connections
     commands: str = ""  # the disconnect line's counts: "ehlo=2 starttls=1 mail=1 ..."
+    client: str = ""  # the client's IP ("connect from unknown[127.0.0.1]")
 
 
 _DISCARDED = re.compile(r"/discard\[\d+\]: ([0-9A-F]+): to=<([^>]*)>.*status=sent")
@@ -193,7 +194,7 @@ def sessions(maillog: Path, offset: int) -> list[Session]:
         if m := re.search(r"/smtpd\[(\d+)\]: (.*)$", line):
             pid, text = m[1], m[2]
             if text.startswith("connect from "):
-                by_pid[pid] = Session()
+                by_pid[pid] = Session(client=text.rpartition("[")[2].rstrip("]"))
                 found.append(by_pid[pid])
                 continue
             session = by_pid.get(pid)

@@ -20,7 +20,11 @@ Modes:
   optional ``policy`` service (``check_policy_service``, e.g. postgrey: :class:`Postgrey`)
   at RCPT, and applies its anvil limits to loopback clients too
   (``smtpd_client_event_limit_exceptions`` empty; the limits themselves go in ``main_cf``).
-  :func:`received` reads what it accepted and refused from the maillog.
+  :func:`received` reads what it accepted and refused from the maillog. Mail for its
+  ``mailboxes`` domains is kept instead: Postfix's virtual(8) delivers it to a Maildir
+  per domain, ``WORKDIR/mail/DOMAIN/`` (every address of the domain), and
+  :meth:`PostfixInstance.stored` returns the messages as delivered (with the
+  Return-Path, Delivered-To and Received fields Postfix adds).
 
     with PostfixInstance("/tmp/pfx", listen="127.0.0.1:2625", mode="defer") as pf:
         secs = smtp_source("127.0.0.1:2625", sessions=20, messages=10000, size=2048)
@@ -105,6 +109,8 @@ postlog   unix-dgram n  -       n       -       1       postlogd
 # smtpd's TLS needs it (without: "no entropy for TLS key generation: disabling TLS support",
 # and 454 4.7.0 to STARTTLS).
 TLSMGR = "tlsmgr    unix  -       -       n       1000?   1       tlsmgr\n"
+# Delivery to the mailboxes' Maildirs (receive mode's `mailboxes`).
+VIRTUAL = "virtual   unix  -       n       n       -       -       virtual\n"
 
 
 def postfix_available() -> bool:
@@ -260,7 +266,9 @@ class PostfixInstance:
     ``cleanup`` removes what the instance created in ``workdir`` (and ``workdir`` itself
     when that leaves it empty) on stop. ``tls_cert`` and ``tls_key`` (PEM files) make
     smtpd offer STARTTLS with them (``smtpd_tls_security_level = may``, sessions logged at
-    ``smtpd_tls_loglevel = 1``).
+    ``smtpd_tls_loglevel = 1``); :meth:`set_tls` swaps them (a restart). ``mailboxes``
+    (receive mode): domains whose mail is delivered to ``WORKDIR/mail/DOMAIN/`` (a Maildir,
+    owned by ``nobody``) rather than discarded; :meth:`stored` reads it.
     """
 
     def __init__(
@@ -282,6 +290,7 @@ class PostfixInstance:
         start_timeout: float = 60.0,
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
+        mailboxes: tuple[str, ...] = (),
     ) -> None:
         self.workdir = Path(workdir).absolute()
         self.listen = listen
@@ -294,6 +303,7 @@ class PostfixInstance:
         self.queue_dir = self.workdir / "queue"
         self.data_dir = self.workdir / "data"
         self.maillog = self.workdir / "maillog"
+        self.mail_dir = self.workdir / "mail"  # mailboxes' Maildirs
         self._maillog_enabled = maillog
         self._extra = dict(main_cf or {})
         self._services = services
@@ -309,6 +319,9 @@ class PostfixInstance:
         self.mode = mode
         self.relay = relay
         self.domains = domains
+        self.mailboxes = mailboxes
+        if mailboxes and mode != "receive":
+            raise ValueError("mailboxes are for receive mode")
         self.policy = policy
         if policy:
             parse_loopback(policy)
@@ -351,6 +364,10 @@ class PostfixInstance:
             self._remove(ours)  # a previous run's leftovers: every run starts empty
             self.config_dir.mkdir(mode=0o755)
             self.queue_dir.mkdir(mode=0o755)  # root-owned; post-install creates the rest
+            if self.mailboxes:  # virtual(8) makes the Maildirs in it, as nobody
+                self.mail_dir.mkdir(mode=0o755)
+                nobody = pwd.getpwnam("nobody")
+                os.chown(self.mail_dir, nobody.pw_uid, nobody.pw_gid)
             self._write_config()
             self._running = True
             atexit.register(self.stop)
@@ -384,7 +401,7 @@ class PostfixInstance:
             time.sleep(0.05)
 
     def _paths(self) -> list[Path]:
-        return [self.config_dir, self.queue_dir, self.data_dir, self.maillog]
+        return [self.config_dir, self.queue_dir, self.data_dir, self.maillog, self.mail_dir]
 
     @staticmethod
     def _remove(paths: list[Path]) -> None:
@@ -497,6 +514,15 @@ class PostfixInstance:
                 "smtpd_recipient_restrictions": policy,
                 "smtpd_client_event_limit_exceptions": "",  # anvil limits apply to loopback
             }
+            if self.mailboxes:  # kept: each domain's mail in its Maildir, as nobody
+                nobody = pwd.getpwnam("nobody")
+                params |= {
+                    "virtual_mailbox_domains": ", ".join(self.mailboxes),
+                    "virtual_mailbox_base": str(self.mail_dir),
+                    "virtual_mailbox_maps": f"texthash:{self.config_dir / 'mailboxes'}",
+                    "virtual_uid_maps": f"static:{nobody.pw_uid}",
+                    "virtual_gid_maps": f"static:{nobody.pw_gid}",
+                }
         if self._tls is not None:
             params |= {
                 "smtpd_tls_cert_file": self._tls[0],
@@ -528,10 +554,16 @@ class PostfixInstance:
                     for pattern, lines in self.reply_lines.items()
                 )
             )
+        services = self._services
+        if self.mailboxes:  # "@domain domain/": every address, one Maildir (the "/")
+            (self.config_dir / "mailboxes").write_text(
+                "".join(f"@{domain} {domain}/\n" for domain in self.mailboxes)
+            )
+            services += VIRTUAL
         (self.config_dir / "main.cf").write_text(
             "# generated by bench/postfix_instance.py\n" + main
         )
-        (self.config_dir / "master.cf").write_text(smtpd + _MASTER_CF + self._services)
+        (self.config_dir / "master.cf").write_text(smtpd + _MASTER_CF + services)
 
     def set_mode(self, mode: str, relay: str | None = None) -> None:
         """Switch between defer and relay: rewrite main.cf and restart, keeping the queue.
@@ -543,6 +575,24 @@ class PostfixInstance:
         """
         self._check_mode(mode, relay)
         self.mode, self.relay = mode, relay
+        self._restart()
+
+    def set_tls(self, cert: str | os.PathLike[str], key: str | os.PathLike[str]) -> None:
+        """smtpd's certificate and key from now on: main.cf rewritten, then a restart (no
+        smtpd of the old configuration is left to take a connection). Sessions still open
+        are cut: wait for them to end first."""
+        self._tls = (str(cert), str(key))
+        if TLSMGR not in self._services:
+            self._services += TLSMGR
+        self._restart()
+
+    def stored(self, domain: str) -> list[bytes]:
+        """The messages virtual(8) delivered to a ``mailboxes`` domain, oldest first."""
+        new = self.mail_dir / domain / "new"
+        files = sorted(new.iterdir(), key=lambda f: f.stat().st_mtime) if new.is_dir() else []
+        return [f.read_bytes() for f in files]
+
+    def _restart(self) -> None:
         self._write_config()
         if self._running:
             self._postfix("stop", timeout=30)

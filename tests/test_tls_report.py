@@ -9,6 +9,7 @@ import email
 import email.policy
 import gzip
 import json
+import re
 
 from mtaqueue.delivery.tls_reports import report_mail
 from mtaqueue.policy.mta_sts import ENFORCE, Applied
@@ -93,6 +94,7 @@ def _counted() -> TlsCounts:
             "192.0.2.1",
             CERTIFICATE_HOST_MISMATCH,
             mismatch,
+            "198.51.100.7",
         )
         counts.record(failed, NOON)
     counts.record(Session("example.net", None, "mx.example.net", "192.0.2.2"), NOON)
@@ -106,10 +108,11 @@ def test_counted_by_domain_day_and_policy():
     assert (sts.type, sts.successes, sts.failures) == ("sts", 3, 2)
     assert sts.lines == ["version: STSv1", "mode: enforce", "mx: mx.example.org", "max_age: 86400"]
     (detail,) = sts.details
-    assert (detail.result_type, detail.host, detail.ip, detail.count) == (
+    assert (detail.result_type, detail.host, detail.ip, detail.source, detail.count) == (
         CERTIFICATE_HOST_MISMATCH,
         "mx.example.org",
         "192.0.2.1",
+        "198.51.100.7",
         2,
     )
     (none,) = counts.get(DAY, "example.net").policies.values()
@@ -130,6 +133,35 @@ def test_state_round_trip():
     counts.get(DAY, "example.org").report = Pending("r1", tries=1, sent=["https://a.example/"])
     again = TlsCounts.decode(counts.encode())
     assert again.days == counts.days
+
+
+def test_each_sending_address_is_a_detail_of_its_own():
+    """RFC 8460 4.4: a failure detail names the sending MTA's IP; from two of our source
+    addresses, the same failure is two rows (the summary counts both)."""
+    counts = TlsCounts()
+    for source in ("198.51.100.7", "198.51.100.8", "198.51.100.8"):
+        session = Session(
+            "e.org", None, "mx.e.org", "192.0.2.1", STARTTLS_NOT_SUPPORTED, "", source
+        )
+        counts.record(session, NOON)
+    document = report(counts.get(DAY, "e.org"), DAY, "e.org", "r", BY)
+    (entry,) = document["policies"]
+    rows = {d["sending-mta-ip"]: d["failed-session-count"] for d in entry["failure-details"]}
+    assert rows == {"198.51.100.7": 1, "198.51.100.8": 2}
+    assert entry["summary"]["total-failure-session-count"] == 3
+
+
+def test_a_state_file_from_before_the_sending_address_still_loads():
+    old = (
+        b'{"2026-12-01": {"e.org": {"policies": {"": {"type": "no-policy-found", "lines": [],'
+        b' "mx": [], "successes": 0, "failures": 1, "details": [{"result_type":'
+        b' "starttls-not-supported", "host": "mx.e.org", "ip": "192.0.2.1", "reason": "",'
+        b' "count": 1}]}}, "report": null}}}'
+    )
+    (policy,) = TlsCounts.decode(old).get(DAY, "e.org").policies.values()
+    assert policy.details[0].source == "" and policy.details[0].count == 1
+    (entry,) = report(TlsCounts.decode(old).get(DAY, "e.org"), DAY, "e.org", "r", BY)["policies"]
+    assert "sending-mta-ip" not in entry["failure-details"][0]  # not known: left out
 
 
 def test_due_after_the_day_at_a_jittered_time():
@@ -205,6 +237,7 @@ def test_report_has_rfc_8460_fields_and_gzip_round_trips():
     }
     (detail,) = entry["failure-details"]
     assert detail["result-type"] == "certificate-host-mismatch"
+    assert detail["sending-mta-ip"] == "198.51.100.7"
     assert detail["receiving-mx-hostname"] == "mx.example.org"
     assert detail["receiving-ip"] == "192.0.2.1"
     assert detail["failed-session-count"] == 2
@@ -216,12 +249,34 @@ def test_report_has_rfc_8460_fields_and_gzip_round_trips():
     }
 
 
+# RFC 8460 5.3: sender "!" policy-domain "!" begin-timestamp "!" end-timestamp
+# [ "!" unique-id ] "." extension, with unique-id = 1*(ALPHA / DIGIT).
+FILENAME = re.compile(r"[A-Za-z0-9.-]+![A-Za-z0-9.-]+!\d+!\d+(![A-Za-z0-9]+)?\.json\.gz")
+
+
+def test_filename_unique_id_is_letters_and_digits():
+    """The daemon's report ids ("2026-12-01.<hex>@host") held "-", "." and "_" in the
+    unique-id (parsedmarc took it; the ABNF does not)."""
+    counts = _counted()
+    start = calendar.timegm((2026, 12, 1, 0, 0, 0))
+    ids = {
+        "2026-12-01.0123abcd@mta.sender.test": "!202612010123abcd",
+        "r-1@x": "!r1",
+        "-.@x": "",  # nothing left: no unique-id at all
+    }
+    for report_id, unique in ids.items():
+        document = report(counts.get(DAY, "example.org"), DAY, "example.org", report_id, BY)
+        name = filename(document, "mta.sender.test", "example.org")
+        assert name == f"mta.sender.test!example.org!{start}!{start + 86399}{unique}.json.gz"
+        assert FILENAME.fullmatch(name), name
+
+
 def test_filename_and_mail():
     counts = _counted()
     document = report(counts.get(DAY, "example.org"), DAY, "example.org", "r-1@x", BY)
     start = calendar.timegm((2026, 12, 1, 0, 0, 0))
     name = filename(document, "mta.sender.test", "example.org")
-    assert name == f"mta.sender.test!example.org!{start}!{start + 86399}!r-1_x.json.gz"
+    assert name == f"mta.sender.test!example.org!{start}!{start + 86399}!r1.json.gz"
     body = gzipped(document)
     content = report_mail(
         "tlsrpt@sender.test", "tls@example.org", BY, "example.org", document, body, NOON

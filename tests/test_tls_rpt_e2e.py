@@ -94,7 +94,14 @@ def _send_reports(daemon) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
-def _check_report(document: dict) -> None:
+def _starttls_clients(world: World) -> set[str]:
+    """The client addresses the misnamed MX saw at STARTTLS (its end of those sessions)."""
+    clients = {e.client_ip for e in world.misnamed.log if e.phase == "starttls"}
+    assert clients
+    return clients
+
+
+def _check_report(document: dict, clients: set[str]) -> None:
     assert document["organization-name"] == "Sender Test"
     assert document["contact-info"] == "tlsrpt@sender.test"
     assert document["date-range"]["start-datetime"].endswith("T00:00:00Z")
@@ -109,6 +116,7 @@ def _check_report(document: dict) -> None:
     assert detail["result-type"] == "certificate-host-mismatch", detail
     assert detail["receiving-mx-hostname"] == "mx.example.org"
     assert detail["receiving-ip"] == MISNAMED
+    assert detail["sending-mta-ip"] in clients  # RFC 8460 4.4: our end of the session
     assert "Hostname mismatch" in detail["failure-reason-code"]
 
 
@@ -133,7 +141,7 @@ def test_https_report_of_a_certificate_host_mismatch(world):
     content_type, body = report
     assert content_type == "application/tlsrpt+gzip"
     document = json.loads(gzip.decompress(body))
-    _check_report(document)
+    _check_report(document, _starttls_clients(world))
     assert document["report-id"] == sent["example.org"]["report_id"]
     assert daemon.wait_event("tls_report_sent")["domain"] == "example.org"
 
@@ -168,4 +176,5 @@ def test_mailto_report_is_queued_and_delivered_counts_kept_over_a_restart(world)
     attachment = message.get_payload()[1]
     assert attachment.get_content_type() == "application/tlsrpt+gzip"
     assert attachment.get_filename().startswith(f"{message['TLS-Report-Submitter']}!example.org!")
-    _check_report(json.loads(gzip.decompress(base64.b64decode(attachment.get_payload()))))
+    document = json.loads(gzip.decompress(base64.b64decode(attachment.get_payload())))
+    _check_report(document, _starttls_clients(world))

@@ -192,7 +192,7 @@ class Sender:
             return conn
         except ConnectFailed as failed:
             if failed.reply.phase == "starttls":
-                tls.failed(failed.reply)
+                tls.failed(failed)
             verdict = classify(failed.reply, self.rules)
             paced = last_one and verdict.kind == THROTTLING
             # Refused credentials are ours, not the host's: the destination's breaker (by
@@ -218,7 +218,7 @@ class Sender:
             required = smarthost is not None and smarthost.tls  # never in clear text then
             if failed.reply.phase != "starttls" or client.tls != "opportunistic" or required:
                 raise
-            tls.failed(failed.reply)
+            tls.failed(failed)
             # Opportunistic TLS: a broken handshake falls back to clear text.
             return await SmtpConnection.open(
                 host, ip, port, client, use_tls=False, smarthost=smarthost
@@ -245,7 +245,7 @@ class Sender:
             enforced = need == VERIFY
             action = "deferred" if enforced else "delivered as usual"
             mta_sts.violation(sts, host, reply.text, action, ip)
-            tls.failed(reply)  # before the fallback's own TLS, which is not the policy's
+            tls.failed(failed)  # before the fallback's own TLS, which is not the policy's
             if not enforced:
                 return await self._open(host, ip, port, None, client, tls)
             why = f"{reply.text} (MTA-STS: {sts.domain} requires TLS with a valid certificate)"
@@ -318,13 +318,17 @@ class _TlsOutcome:
     def succeeded(self) -> None:
         self._count()
 
-    def failed(self, reply: Reply) -> None:
+    def failed(self, failed: ConnectFailed) -> None:
+        reply = failed.reply
         kind = result_type(reply.text, reply.code)
-        self._count(kind, reply.line()[:300])
+        self._count(kind, reply.line()[:300], failed.local)
 
-    def _count(self, failure: str = "", reason: str = "") -> None:
+    def _count(self, failure: str = "", reason: str = "", source: str = "") -> None:
         if self._report is not None:
-            self._report(msgspec.structs.replace(self._session, failure=failure, reason=reason))
+            session = msgspec.structs.replace(
+                self._session, failure=failure, reason=reason, source=source
+            )
+            self._report(session)
             self._report = None
 
 

@@ -92,6 +92,7 @@ class Session(msgspec.Struct, frozen=True):
     ip: str  # receiving-ip
     failure: str = ""  # a result type; "" succeeded
     reason: str = ""  # the failure's text (failure-reason-code)
+    source: str = ""  # sending-mta-ip: our end of the connection ("" for a policy fetch)
 
 
 class Detail(msgspec.Struct):
@@ -99,6 +100,7 @@ class Detail(msgspec.Struct):
     host: str
     ip: str
     reason: str
+    source: str = ""  # sending-mta-ip (state files from before it: "")
     count: int = 0
 
 
@@ -158,10 +160,8 @@ class TlsCounts:
             counts.successes += 1
             return
         counts.failures += 1
-        what = (session.failure, session.host, session.ip, session.reason)
-        detail = next(
-            (d for d in counts.details if (d.result_type, d.host, d.ip, d.reason) == what), None
-        )
+        what = (session.failure, session.host, session.ip, session.reason, session.source)
+        detail = next((d for d in counts.details if _what(d) == what), None)
         if detail is None:
             if sum(len(p.details) for p in entry.policies.values()) >= MAX_DETAILS:
                 return  # in the summary only
@@ -204,6 +204,10 @@ class TlsCounts:
     @classmethod
     def decode(cls, data: bytes) -> TlsCounts:
         return cls(_STATE.decode(data))
+
+
+def _what(detail: Detail) -> tuple[str, ...]:
+    return (detail.result_type, detail.host, detail.ip, detail.reason, detail.source)
 
 
 def failed_try(pending: Pending, now: float) -> bool:
@@ -281,9 +285,11 @@ def report(entry: DomainDay, day: str, domain: str, report_id: str, by: Reporter
 
 
 def _detail(detail: Detail) -> dict:
-    """A failure-details entry; a policy fetch's has no MX host (not known then)."""
+    """A failure-details entry; a policy fetch's has no MX host (not known then), nor a
+    connection's addresses."""
     fields = {
         "result-type": detail.result_type,
+        "sending-mta-ip": detail.source,
         "receiving-mx-hostname": detail.host,
         "receiving-ip": detail.ip,
         "failed-session-count": detail.count,
@@ -298,11 +304,13 @@ def gzipped(document: dict) -> bytes:
 
 
 def filename(document: dict, submitter: str, domain: str) -> str:
-    """RFC 8460 5.3: submitter!policy-domain!begin!end!unique-id.json.gz (epoch seconds)."""
+    """RFC 8460 5.3: submitter!policy-domain!begin!end!unique-id.json.gz (epoch seconds),
+    unique-id = 1*(ALPHA / DIGIT): the report id's letters and digits before its "@"
+    (the same on a retry)."""
     dates = document["date-range"]
     begin, end = (_epoch(dates[k]) for k in ("start-datetime", "end-datetime"))
-    unique = re.sub(r"[^A-Za-z0-9._-]", "_", document["report-id"])
-    return f"{submitter}!{domain}!{begin}!{end}!{unique}.json.gz"
+    unique = re.sub(r"[^A-Za-z0-9]", "", document["report-id"].partition("@")[0])
+    return f"{submitter}!{domain}!{begin}!{end}" + (f"!{unique}" if unique else "") + ".json.gz"
 
 
 def _rfc3339(epoch: float) -> str:

@@ -58,11 +58,13 @@ class Smarthost:
 
 
 class ConnectFailed(Exception):
-    """No usable SMTP session with this address; `reply` says why."""
+    """No usable SMTP session with this address; `reply` says why. `local`: our address
+    on the connection, once it was made (TLS-RPT's sending-mta-ip), else ""."""
 
     def __init__(self, reply: Reply) -> None:
         super().__init__(reply.line())
         self.reply = reply
+        self.local = ""
 
 
 def _tls_context() -> ssl.SSLContext:
@@ -135,6 +137,10 @@ class SmtpConnection:
         except OSError as exc:
             sock.close()
             raise ConnectFailed(_network("connect", "unreachable", f"{ip}: {exc}")) from None
+        try:
+            local = sock.getsockname()[0]
+        except OSError:  # already reset
+            local = ""
         relay_tls = smarthost.tls if smarthost is not None else ""
         implicit = relay_tls == IMPLICIT
         # A smarthost's required TLS is verified; opportunistic TLS to an MX is not (_TLS).
@@ -163,8 +169,9 @@ class SmtpConnection:
                 raise ConnectFailed(Reply("starttls", 0, "4.7.10", text, network="tls"))
             if smarthost is not None and smarthost.user:
                 await conn._authenticate(smarthost, t.ehlo)
-        except ConnectFailed:
+        except ConnectFailed as failed:
             conn.abort()
+            failed.local = local
             raise
         return conn
 
