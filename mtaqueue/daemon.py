@@ -231,6 +231,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         if not qualified_hostname(self.hostname):
             log.warning("hostname_unqualified", key="listen.hostname", hostname=self.hostname)
+        self._warn_if_reports_unsigned()
         log.info("ready", listen=listener.addresses, version=__version__, pid=os.getpid())
         notifier = Notifier()
         if notifier.watchdog_interval is not None:
@@ -310,6 +311,7 @@ class Daemon:
         self._log_alerts(self.alerts.reconfigure(new.alerts.rules))
         self.metrics.top_n = new.metrics.top_destinations
         self.cfg = new
+        self._warn_if_reports_unsigned()
         configure_logging(new.log.level, new.log.format)
         log.info("reloaded")
 
@@ -351,6 +353,21 @@ class Daemon:
         log.info("api_listening", address=server.addresses, tokens=len(self.api_tokens))
         self._warn_about_tokens(self.api_tokens, self.api_token_warnings)
         return server
+
+    def _warn_if_reports_unsigned(self) -> None:
+        """TLS-RPT collectors ignore report mail without a valid DKIM signature (RFC 8460
+        5.3): say so when no key signs tls_rpt.from's mail."""
+        reports = self.delivery.tls_reports
+        if not self.cfg.tls_rpt.enabled or reports is None:
+            return
+        fields = [(b"from", f"From: <{reports.sender}>\r\n".encode())]
+        if not self.signing.signer.keys_for(fields):
+            log.warning(
+                "tls_rpt_unsigned",
+                key="tls_rpt.from",
+                sender=reports.sender,
+                effect="no DKIM key signs the report mail: collectors ignore it",
+            )
 
     @staticmethod
     def _warn_about_tokens(tokens: Tokens, warnings: list[str]) -> None:

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
+from dkim_keys import write_key
 from e2e_helpers import BODY, FAST, MailNet, events, wait_for
 from policy_server import PolicyServer, TestCa, policy_text
 from smtp_peer import SmtpPeer
@@ -27,6 +28,7 @@ COLLECTOR = "tlsrpt.example.org"
 class World(MailNet):
     def __init__(self, start_daemon, tmp_path) -> None:
         self.ca = TestCa(tmp_path / "ca")
+        self.tmp_path = tmp_path
         super().__init__(
             [GOOD], starttls=self.ca.server_context("mx.example.net", "mx.reports.example")
         )
@@ -149,12 +151,21 @@ def test_https_report_of_a_certificate_host_mismatch(world):
 def test_mailto_report_is_queued_and_delivered_counts_kept_over_a_restart(world):
     world.rua("mailto:tls@reports.example")
     daemon = world.daemon()
+    (unsigned,) = events(daemon, "tls_rpt_unsigned")  # no key signs tlsrpt@sender.test
+    assert unsigned["sender"] == "tlsrpt@sender.test", unsigned
     _failed_and_delivered(world, daemon)
     daemon.stop()
     saved = json.loads((Path(daemon.spool) / "tls_reports.json").read_bytes())
     (day,) = saved.values()
     assert set(day) == {"example.org", "example.net"}
-    daemon = world.daemon()  # the counts come from tls_reports.json
+    # The counts come from tls_reports.json; a key for sender.test signs the report now.
+    key = write_key(world.tmp_path, "ed25519-sha256")
+    daemon = world.daemon(
+        "dkim.sender.test.selector=s1",
+        f"dkim.sender.test.key_file={key}",
+        "dkim.sender.test.algorithm=ed25519-sha256",
+    )
+    assert events(daemon, "tls_rpt_unsigned") == []
 
     sent = {r["domain"]: r for r in _send_reports(daemon)}
     assert sent["example.org"]["result"] == "sent", sent
@@ -166,6 +177,7 @@ def test_mailto_report_is_queued_and_delivered_counts_kept_over_a_restart(world)
     )
     assert received.mail_from == "tlsrpt@sender.test"
     message = received.message
+    assert "d=sender.test;" in message["DKIM-Signature"]
     assert message.get_content_type() == "multipart/report"
     assert message.get_param("report-type") == "tlsrpt"
     report_id = sent["example.org"]["report_id"]
