@@ -389,8 +389,9 @@ class PoolConfig(_Table):
     # A source that draws a blocklist reply from a destination leaves for that long (for
     # that destination only; the pool's other sources carry on).
     blocklist_hold: Duration = _d("6h")
-    # Mail that waits for the next UTC day's warm-up allowance comes back spread over this
-    # much of that day's start, not all at midnight (0s: at midnight).
+    # Mail that waits for the next UTC day's warm-up allowance comes back at a time drawn
+    # for its destination within this much of that day's start, so that not every
+    # destination starts at midnight (0s: at midnight).
     warmup_spread: Duration = _d("1h")
 
 

@@ -298,7 +298,8 @@ def libfaketime() -> Path:
 
 def test_at_the_utc_midnight_waiting_mail_goes_with_the_next_steps_allowance(net, start_daemon):
     """The daemon's wall clock (libfaketime) starts seconds before a UTC midnight; its
-    timers (the monotonic clock) run as ever."""
+    timers (the monotonic clock) run as ever. The next day's allowance goes to the mail
+    that has waited longest."""
     (peer,) = net.peers
     lead = 8.0
     midnight = (day_of(time.time()) + 1) * DAY
@@ -309,7 +310,7 @@ def test_at_the_utc_midnight_waiting_mail_goes_with_the_next_steps_allowance(net
         "FAKETIME_DONT_FAKE_MONOTONIC": "1",
     }
     spread = 'pools.bulk.warmup_spread="1s"'
-    daemon = start_daemon(*net.daemon_overrides(), *FAST, *warming("[2, 4]"), spread, env=clock)
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, *warming("[2, 3]"), spread, env=clock)
     for i in range(6):
         daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
     assert {m.client_ip for m in peer.wait_messages(2)} == {A}
@@ -319,22 +320,27 @@ def test_at_the_utc_midnight_waiting_mail_goes_with_the_next_steps_allowance(net
     assert time.time() + offset < midnight, "the daemon took too long to start"
     assert (day1["step"], day1["allowance"], day1["sent_today"]) == (1, 2, 2)
     assert all(midnight <= w["until"] <= midnight + 1 for w in waits)
-    # Past the daemon's midnight: 4 of the 4 waiting go (day 2: step 2), none charged.
-    peer.wait_messages(6, timeout=lead + 15)
-    delivered = wait_for(lambda: (d := events(daemon, "delivery")) and len(d) == 6 and d)
+    # Past the daemon's midnight: the 3 oldest of the 4 waiting go (day 2: step 2), none
+    # charged; the youngest waits for day 3.
+    received = peer.wait_messages(5, timeout=lead + 15)
+    delivered = wait_for(lambda: (d := events(daemon, "delivery")) and len(d) == 5 and d)
+    assert sorted(r for m in received for r in m.rcpt_tos) == [
+        f"bulk{i}@example.org" for i in range(5)
+    ]
 
     def at(event: dict) -> float:
         return datetime.fromisoformat(event["timestamp"]).timestamp()
 
-    assert sorted(at(e) >= midnight for e in delivered) == [False] * 2 + [True] * 4
+    assert sorted(at(e) >= midnight for e in delivered) == [False] * 2 + [True] * 3
     assert max(at(e) for e in delivered) < midnight + 10  # at midnight, not later
     assert {(e["outcome"], e["attempt"]) for e in delivered} == {("delivered", 1)}
     (advanced,) = events(daemon, "warmup_advanced")
-    assert (advanced["step"], advanced["allowance"], advanced["sent"]) == (2, 4, 2)
+    assert (advanced["step"], advanced["allowance"], advanced["sent"]) == (2, 3, 2)
     assert advanced["deferred"] == 0 and not events(daemon, "warmup_held")
     day2 = destinations(daemon)[key]["warmup"]
-    assert (day2["step"], day2["allowance"], day2["sent_today"]) == (2, 4, 4)
-    assert not daemon.messages()
+    assert (day2["step"], day2["allowance"], day2["sent_today"]) == (2, 3, 3)
+    (left,) = daemon.messages().values()
+    assert [r["address"] for r in left["recipients"]] == ["bulk5@example.org"], left
 
 
 def ramps(daemon, *args: str) -> list[dict]:

@@ -167,6 +167,10 @@ class DeliveryManager:
         # base -> {message id: until}: mail waiting for the next day's warm-up allowance
         # there, released at once when an operator finishes a ramp of that destination.
         self._warm_waits: dict[str, dict[str, float]] = {}
+        # base -> when its waiting mail comes back: one time a destination (spread over
+        # destinations, not over its messages), so it comes back together and in the order
+        # it began to wait, oldest first, for the day's allowance.
+        self._warm_wake: dict[str, float] = {}
         # message id -> the journaling of its record, waiting for its DSNs to be durable
         self._noticing: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Future] = set()
@@ -501,6 +505,7 @@ class DeliveryManager:
                 (b, {i: t for i, t in w.items() if t > now}) for b, w in self._warm_waits.items()
             )
             self._warm_waits = {base: ids for base, ids in waits if ids}  # not woken yet
+            self._warm_wake = {base: t for base, t in self._warm_wake.items() if t > now}
             egress = self.egress.encode(now)
             if egress != self._egress_saved:
                 await asyncio.to_thread(self._save_egress, egress)
@@ -753,7 +758,10 @@ class DeliveryManager:
         back = self.egress.usable_after(pool.sources, base, families, now)
         if self.egress.warming(pool.sources, base, families, now):
             # Always uncharged: the schedule ends, and the wait is the point of warming.
-            until = min(warmup.wake(now, self.rng, pool.warmup_spread), back or float("inf"))
+            wake = self._warm_wake.get(base, 0.0)
+            if wake <= now:
+                wake = self._warm_wake[base] = warmup.wake(now, self.rng, pool.warmup_spread)
+            until = min(wake, back or float("inf"))
             log.info("warmup_wait", id=item.message_id, destination=base, until=until)
             self._warm_waits.setdefault(base, {})[item.message_id] = until
             self._unbusy(item.message_id, item.indexes)
