@@ -111,3 +111,16 @@ def dkim_key(workdir: Path, algorithm: str) -> Path:
         path.write_bytes(pem)
         path.chmod(0o600)
     return path
+
+
+def print_checks(columns: list[str], rows: list[tuple[str, list[str], bool]]) -> int:
+    """A Markdown table of checks (number, cells, ok), then the verdict; the exit status:
+    1 if a check failed, else 0."""
+    print("\n| # | " + " | ".join(columns) + " | |")
+    print("| --- " * (len(columns) + 2) + "|")
+    for number, cells, ok in rows:
+        row = [number, *cells, "ok" if ok else "FAIL"]
+        print("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+    failed = [number for number, _, ok in rows if not ok]
+    print("all checks pass" if not failed else f"FAILED: {', '.join(failed)}", flush=True)
+    return 1 if failed else 0

@@ -53,7 +53,14 @@ import dkim.util  # noqa: E402
 import dns.message  # noqa: E402
 import dns.query  # noqa: E402
 import dns.rdatatype  # noqa: E402
-from common import dkim_key, free_port, port_in_use, stop_process, work_directory  # noqa: E402
+from common import (  # noqa: E402
+    dkim_key,
+    free_port,
+    port_in_use,
+    print_checks,
+    stop_process,
+    work_directory,
+)
 from policy_server import TestCa, policy_text  # noqa: E402
 from postfix_instance import PostfixInstance, postfix_available  # noqa: E402
 from postfix_smarthost import Mtaqueue  # noqa: E402
@@ -674,14 +681,10 @@ def main() -> int:
         r.mtaqueue = r.mtaqueue.replace(str(workdir), "WORKDIR")
     order = ["1", "2", "2b", "3", "4", "5", "6", "7a", "7b", "7c"]
     rows.sort(key=lambda r: order.index(r.number))
-    print("\n| # | scenario | mtaqueue | Postfix's maillog | policy host, Unbound, dkimpy | |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        cells = [r.number, r.scenario, r.mtaqueue, r.postfix, r.evidence, "ok" if r.ok else "FAIL"]
-        print("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    failed = [r.number for r in rows if not r.ok]
-    print("all checks pass" if not failed else f"FAILED: {', '.join(failed)}", flush=True)
-    return 1 if failed else 0
+    return print_checks(
+        ["scenario", "mtaqueue", "Postfix's maillog", "policy host, Unbound, dkimpy"],
+        [(r.number, [r.scenario, r.mtaqueue, r.postfix, r.evidence], r.ok) for r in rows],
+    )
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))  # policy_server.TestCa
 sys.path.insert(0, str(REPO))
 import dkim  # noqa: E402
-from common import dkim_key, free_port, work_directory  # noqa: E402
+from common import dkim_key, free_port, print_checks, work_directory  # noqa: E402
 from mta_sts_unbound import (  # noqa: E402
     PolicyHost,
     Session,
@@ -590,14 +590,10 @@ def main() -> int:
         rows, text = run(workdir, args.keep, parse_report_email)
     print("\n`mtaqueue-ctl tls-report send --today`:")
     print("\n".join(f"    {line}" for line in text.splitlines()))
-    print("\n| # | checked | mtaqueue | Postfix, Unbound, parsedmarc, dkimpy | |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in rows:
-        cells = [r.number, r.check, r.mtaqueue, r.third_party, "ok" if r.ok else "FAIL"]
-        print("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    failed = [r.number for r in rows if not r.ok]
-    print("all checks pass" if not failed else f"FAILED: {', '.join(failed)}", flush=True)
-    return 1 if failed else 0
+    return print_checks(
+        ["checked", "mtaqueue", "Postfix, Unbound, parsedmarc, dkimpy"],
+        [(r.number, [r.check, r.mtaqueue, r.third_party], r.ok) for r in rows],
+    )
 
 
 if __name__ == "__main__":
