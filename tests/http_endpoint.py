@@ -30,6 +30,7 @@ class Request:
     path: str
     body: dict[str, Any]
     signed: bool  # the signature verified with the endpoint's secret
+    user_agent: str = ""
 
 
 class HttpEndpoint:
@@ -92,7 +93,8 @@ class HttpEndpoint:
         header = request.headers.get(signing.HEADER, "")
         signed = bool(self.secret) and signing.verify(self.secret, raw, header, time.time())
         body = json.loads(raw)
-        self.requests.append(Request(time.time(), request.path, body, signed))
+        agent = request.headers.get("User-Agent", "")
+        self.requests.append(Request(time.time(), request.path, body, signed, agent))
         if self.secret and not signed:
             return web.Response(status=401, text="bad signature")
         answer = self.answers.get(body.get("message_id", ""), self.default)

@@ -20,6 +20,8 @@ from http_endpoint import HANG, HttpEndpoint
 from prometheus_client.parser import text_string_to_metric_families
 from webhook_receiver import WebhookReceiver
 
+import mtaqueue
+
 SECRET = "app-shared-secret"
 
 
@@ -95,6 +97,9 @@ def test_a_late_retry_asks_the_application_200_sends_and_410_cancels(world):
     # Each asked once, before its retry only (the first attempt was young), signed.
     (asked,) = world.endpoint.about(keep)
     assert asked.signed
+    # Named as the webhooks are (it was aiohttp's "Python/3.11 aiohttp/..." in the
+    # application's access log: bench/revalidation_django.py).
+    assert asked.user_agent == f"mtaqueue/{mtaqueue.__version__}"
     assert asked.body["idempotency_key"] == "order-42" and asked.body["class"] == "p1"
     assert asked.body["tenant"] is None and 1.0 <= asked.body["age"] < 10
     retried = [e for e in events(daemon, "delivery") if e["id"] == keep]

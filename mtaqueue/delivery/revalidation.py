@@ -22,7 +22,7 @@ from collections.abc import Callable
 import aiohttp
 import msgspec
 
-from .. import config
+from .. import __version__, config
 from ..events import signing
 from ..logs import get_logger
 from ..model import Message
@@ -119,7 +119,10 @@ class Revalidation:
             headers[signing.HEADER] = signing.sign(self._secret, body, now)
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=MAX_IN_FLIGHT)
-            self._session = aiohttp.ClientSession(connector=connector)
+            # Named as the webhooks are: the application's access log says who asked.
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers={"User-Agent": f"mtaqueue/{__version__}"}
+            )
         timeout = aiohttp.ClientTimeout(total=r.timeout)
         try:
             # A redirect is not followed: a POST turned GET elsewhere would not be the
