@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mtaqueue import config
 from mtaqueue.policy import warmup
 from mtaqueue.policy.egress import EgressState
-from mtaqueue.policy.warmup import DAY, WAKE_SPREAD, Warmups
+from mtaqueue.policy.warmup import DAY, Warmups
 from mtaqueue.routing.pools import Pools, Source
 
 NEW = Source("192.0.2.11", warmup=(2, 5, 10))
@@ -65,8 +65,8 @@ def test_a_small_steady_deferral_rate_does_not_hold_the_ramp() -> None:
 
 def test_waiting_mail_comes_back_early_the_next_day_spread() -> None:
     rng = random.Random(1)
-    wakes = [warmup.wake(T0, rng) for _ in range(50)]
-    assert all(20_001 * DAY <= t <= 20_001 * DAY + WAKE_SPREAD for t in wakes)
+    wakes = [warmup.wake(T0, rng, 3600.0) for _ in range(50)]
+    assert all(20_001 * DAY <= t <= 20_001 * DAY + 3600.0 for t in wakes)
     assert len(set(wakes)) == 50
 
 
@@ -77,7 +77,7 @@ def test_the_pools_warmup_spread_says_over_how_much_of_the_next_day() -> None:
     wakes = [warmup.wake(T0, rng, 10.0) for _ in range(50)]
     assert all(20_001 * DAY <= t <= 20_001 * DAY + 10.0 for t in wakes)
     sources = 'pools.b.sources=["192.0.2.11"]'
-    assert Pools(config.load(None, [sources])).pools["b"].warmup_spread == WAKE_SPREAD
+    assert Pools(config.load(None, [sources])).pools["b"].warmup_spread == 3600.0  # 1h
     cfg = config.load(None, [sources, 'pools.b.warmup_spread="10s"'])
     assert Pools(cfg).pools["b"].warmup_spread == 10.0
     with pytest.raises(config.ConfigError, match=r"pools.b.warmup_spread: must be from 0s to 1d"):

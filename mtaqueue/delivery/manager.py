@@ -759,7 +759,7 @@ class DeliveryManager:
         if self.egress.warming(pool.sources, base, families, now):
             # Always uncharged: the schedule ends, and the wait is the point of warming.
             wake = self._warm_wake.get(base, 0.0)
-            if wake <= now:
+            if warmup.day_of(wake) <= warmup.day_of(now):  # not drawn for the next day
                 wake = self._warm_wake[base] = warmup.wake(now, self.rng, pool.warmup_spread)
             until = min(wake, back or float("inf"))
             log.info("warmup_wait", id=item.message_id, destination=base, until=until)

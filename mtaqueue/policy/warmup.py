@@ -27,8 +27,6 @@ from ..routing.pools import Source
 DAY = 86400.0
 HOLD_RATE = 0.10  # a day's deferral rate that holds the ramp whatever came before
 RISE = 0.05  # ... as does one this much above the last day's (a rising rate)
-WAKE_SPREAD = 3600.0  # mail waiting for tomorrow's allowance comes back over its first hour
-# (the default of pools.NAME.warmup_spread)
 
 
 class Ramp(msgspec.Struct):
@@ -60,7 +58,7 @@ def day_of(now: float) -> int:
     return int(now // DAY)
 
 
-def wake(now: float, rng: random.Random, spread: float = WAKE_SPREAD) -> float:
+def wake(now: float, rng: random.Random, spread: float) -> float:
     """When mail that waits for the next day's allowance is due: spread over the first
     `spread` seconds of that day, not a herd."""
     return (day_of(now) + 1) * DAY + rng.uniform(0.0, spread)

@@ -31,7 +31,7 @@ class Pool(msgspec.Struct, frozen=True):
     name: str
     sources: tuple[Source, ...]
     blocklist_hold: float
-    warmup_spread: float = 3600.0  # mail waiting for the next day's allowance: back over this
+    warmup_spread: float  # mail waiting for the next day's allowance: back within this
 
 
 def family_of(address: str) -> int:
