@@ -46,6 +46,16 @@ def test_zero_rate_is_unlimited():
     assert take_all_bounded(bucket, 0.0, 1000) == 1000
 
 
+def test_a_token_given_back_is_there_again_up_to_the_burst():
+    bucket = TokenBucket(rate=1.0, burst=2, now=0.0)
+    bucket.take(0.0)
+    bucket.take(0.0)
+    bucket.give_back(0.0)  # the event it was taken for did not happen
+    assert take_all(bucket, 0.0) == 1
+    bucket.give_back(10.0)  # full again by then: no more than the burst
+    assert take_all(bucket, 10.0) == 2
+
+
 def test_a_take_without_a_token_is_debt():
     bucket = TokenBucket(rate=1.0, burst=1, now=0.0)
     bucket.take(0.0)

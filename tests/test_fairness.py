@@ -110,6 +110,16 @@ def test_tenants_take_turns_in_the_first_class_too(queue):
     assert [queue.pop()[1] for _ in range(4)] == ["a", "b", "a", "b"]
 
 
+def test_an_item_put_back_goes_next_as_if_not_taken(queue):
+    fill(queue, "p2", 3, tenant="a")
+    fill(queue, "p2", 3, tenant="b")
+    taken = queue.pop()
+    assert taken == ("p2", "a", 0)
+    queue.put_back(taken, "p2", "a")
+    assert len(queue) == 6 and queue.depth()["p2"] == 6
+    assert [queue.pop() for _ in range(3)] == [("p2", "a", 0), ("p2", "b", 0), ("p2", "a", 1)]
+
+
 def test_fifo_within_a_tenant(queue):
     fill(queue, "p1", 5, tenant="a")
     fill(queue, "p1", 5, tenant="b")

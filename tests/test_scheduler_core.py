@@ -136,6 +136,31 @@ def test_p0_goes_on_the_idle_connection_while_bulk_waits_for_a_new_one():
     assert [c.item for c in of(actions, Connect)] == ["bulk1"]
 
 
+def test_p0_routed_while_a_bulk_connection_opens_goes_first_on_it():
+    """A restart lets p0 in first, but routing finishes in any order: the one connection
+    opened for a bulk message carries the p0 that came meanwhile; the bulk one is next."""
+    sched = scheduler(pacing(max_connections=1, initial_connections=1, reserved_p0=0))
+    (opening,) = of(enqueue_many(sched, T0, "p2", "bulk", 2), Connect)
+    assert opening.item == "bulk0" and not opening.first_class
+    assert not of(sched.enqueue(T0, "d", "reset", "p0"), Connect)  # the one slot is taken
+    assert of(sched.connected(T0 + 0.1, opening.conn), Send) == [Send(opening.conn, "reset")]
+    assert sched.waiting("d") == {"p0": 0, "p1": 0, "p2": 2}
+    actions = sched.done(T0 + 0.2, opening.conn, reusable=True, replies=[(OK, classify(OK, ()))])
+    assert of(actions, Send) == [Send(opening.conn, "bulk0")]  # back at the head of p2
+
+
+def test_the_swapped_item_gives_its_tenant_token_back():
+    p = pacing(max_connections=1, initial_connections=1, reserved_p0=0)
+    sched = Scheduler(CLASSES, max_connections=10, connection_idle=5.0, tenant_rate=1 / 60)
+    sched.add_destination("d", DestinationShaper(p, config.ShapingConfig(), T0), p)
+    (opening,) = of(sched.enqueue(T0, "d", "news", "p2", "shop"), Connect)
+    sched.enqueue(T0, "d", "reset", "p0", "bank")
+    assert of(sched.connected(T0, opening.conn), Send) == [Send(opening.conn, "reset")]
+    sched.enqueue(T0, "d", "bill", "p0", "bank")  # bank's one token went with "reset"
+    actions = sched.done(T0 + 1, opening.conn, reusable=True, replies=[(OK, classify(OK, ()))])
+    assert of(actions, Send) == [Send(opening.conn, "news")]  # shop got its token back
+
+
 def test_a_throttle_reply_stops_new_connections_and_idle_ones_close():
     p = pacing(max_connections=4, initial_connections=4, reserved_p0=0)
     sched = scheduler(p)
@@ -263,6 +288,10 @@ class Storm(RuleBasedStateMachine):
                 assert slot["state"] in ("connected", "idle")
                 if slot["state"] == "idle":
                     self.hand_out(slot["destination"], action.item)
+                elif action.item != slot["item"]:  # p0 came while it opened: p0 goes
+                    self.swap(slot["destination"], slot["item"], action.item)
+                elif self.klass[action.item] != "p0":
+                    assert self.waiting[slot["destination"]]["p0"] == 0, "p0 behind bulk"
                 slot["state"], slot["item"] = "sending", action.item
             elif isinstance(action, Close):
                 assert self.slots.pop(action.conn)["state"] in ("idle", "done")
@@ -300,6 +329,13 @@ class Storm(RuleBasedStateMachine):
         if not action.first_class:
             ordinary = sum(not s["first_class"] for s in here)
             assert ordinary <= max(1, limit - self.pacing.reserved_p0), "a reserved slot"
+
+    def swap(self, key: str, opened_for: str, item: str) -> None:
+        """The connection opened for bulk carries waiting p0 instead (its tokens), and
+        the bulk item waits again."""
+        assert self.klass[opened_for] != "p0" and self.klass[item] == "p0"
+        self.waiting[key]["p0"] -= 1
+        self.waiting[key][self.klass[opened_for]] += 1
 
     def hand_out(self, key: str, item: str) -> None:
         klass = self.klass[item]

@@ -43,6 +43,13 @@ class TokenBucket:
         self._refill(now)
         self._tokens -= 1.0
 
+    def give_back(self, now: float) -> None:
+        """Return a token taken for an event that did not happen (up to the burst)."""
+        if self.rate == 0:
+            return
+        self._refill(now)
+        self._tokens = min(float(self.burst), self._tokens + 1.0)
+
     def set_rate(self, rate: float, now: float) -> None:
         """Change the rate from `now` on; what was earned at the old rate is kept."""
         if rate < 0:

@@ -58,6 +58,15 @@ class FairQueue(Generic[T]):
         self._queues[klass].setdefault(tenant, deque()).append(item)
         self._depth[klass] += 1
 
+    def put_back(self, item: T, klass: str, tenant: Tenant = None) -> None:
+        """An item taken by `pop` that did not go: at the head of its tenant's queue, the
+        tenant first in turn in its class, as if it had not been taken."""
+        tenants = self._queues[klass]
+        items = tenants.pop(tenant, deque())
+        items.appendleft(item)
+        self._queues[klass] = {tenant: items, **tenants}
+        self._depth[klass] += 1
+
     def pop(
         self,
         *,

@@ -110,6 +110,8 @@ class _Slot:
     first_class: bool
     state: str
     item: object | None = None  # CONNECTING, WAITING (for the next host), SENDING
+    klass: str = ""  # the item's class and tenant while it waits for the connection
+    tenant: str | None = None
     transactions: int = 0
     until: float = 0.0  # IDLE: closes then
 
@@ -239,7 +241,8 @@ class Scheduler(Generic[T]):
         self._dirty.add(slot.destination)
         if latency is not None:
             shaper.latency(now, latency)
-        slot.state = SENDING  # the item of the Connect goes now
+        slot.state = SENDING  # the item of the Connect goes now, unless first-class work
+        self._first_class_first(slot, now)  # came in while the connection opened
         return [Send(conn, slot.item), *self._run(now)]  # type: ignore[arg-type]
 
     def connect_failed(
@@ -415,8 +418,8 @@ class Scheduler(Generic[T]):
         for slot in [s for s in destination.slots.values() if s.state == IDLE]:
             entry, wait = self._next(destination, now, slot.first_class)
             if entry is not None:
-                slot.state, slot.item = SENDING, entry
-                actions.append(Send(slot.id, entry))
+                slot.state, slot.item = SENDING, entry[0]
+                actions.append(Send(slot.id, slot.item))
             elif wait is None and now >= slot.until:
                 self._end(slot)
                 actions.append(Close(slot.id))
@@ -466,16 +469,41 @@ class Scheduler(Generic[T]):
                     wakes.append(now + send_wait)
                 return
             shaper.connected(now)
-            slot = _Slot(next(self._ids), destination.key, first_class, CONNECTING, entry)
+            item, klass, tenant = entry
+            slot = _Slot(next(self._ids), destination.key, first_class, CONNECTING, item)
+            slot.klass, slot.tenant = klass, tenant
             destination.slots[slot.id] = slot
             self._slots[slot.id] = slot
-            actions.append(Connect(slot.id, destination.key, entry, first_class))
+            actions.append(Connect(slot.id, destination.key, item, first_class))
+
+    def _first_class_first(self, slot: _Slot, now: float) -> None:
+        """A slot opened for other work carries first-class work that waits now instead:
+        a restart lets the first class in first, but routing finishes in any order, and
+        p0 must not wait behind the bulk message that happened to open the connection.
+        The first-class item takes the tokens of the one it replaces, which goes back to
+        the head of its queue (its tenant's token back: it did not go)."""
+        queue = self._destinations[slot.destination].queue
+        if slot.klass in (self.first_class, "") or not queue.first_class_waiting():
+            return
+        if slot.klass not in self.classes:  # gone in a reload: it joins the first class
+            return
+        eligible = self._eligible(now) if self.tenant_rate else None
+        entry = queue.pop(first_class_only=True, eligible=eligible)
+        if entry is None:  # only capped tenants' first-class work waits
+            return
+        queue.put_back((slot.item, slot.klass, slot.tenant), slot.klass, slot.tenant)
+        if self.tenant_rate:
+            if slot.tenant is not None:
+                self._bucket(slot.tenant, now).give_back(now)
+            if entry[2] is not None:
+                self._bucket(entry[2], now).take(now)
+        slot.item, slot.klass, slot.tenant = entry
 
     def _next(
         self, destination: _Destination, now: float, first_class: bool
-    ) -> tuple[object | None, float | None]:
-        """The next item that may go now, its tokens taken; else (None, seconds until one
-        may, or None when there is none to wait for)."""
+    ) -> tuple[tuple[object, str, str | None] | None, float | None]:
+        """The next entry (item, class, tenant) that may go now, its tokens taken; else
+        (None, seconds until one may, or None when there is none to wait for)."""
         queue = destination.queue
         if not (queue.first_class_waiting() if first_class else len(queue)):
             return None, None
@@ -489,13 +517,13 @@ class Scheduler(Generic[T]):
         if entry is None:  # only capped tenants wait
             waits = [b.wait(now) for b in self._tenants.values()]
             return None, min((w for w in waits if w > 0), default=None)
-        item, _, tenant = entry
+        tenant = entry[2]
         destination.shaper.sent(now)
         if self.rate is not None:
             self.rate.take(now)
         if tenant is not None and self.tenant_rate:
             self._bucket(tenant, now).take(now)
-        return item, None
+        return entry, None
 
     def _eligible(self, now: float) -> Callable[[str | None], bool]:
         return lambda tenant: tenant is None or self._bucket(tenant, now).wait(now) == 0
