@@ -24,6 +24,7 @@ POOL = (
 )
 P2 = b"X-Mtaqueue-Class: p2\r\n" + BODY
 P0 = b"X-Mtaqueue-Class: p0\r\n" + BODY
+P1 = b"X-Mtaqueue-Class: p1\r\n" + BODY
 
 
 @pytest.fixture
@@ -299,7 +300,7 @@ def libfaketime() -> Path:
 def test_at_the_utc_midnight_waiting_mail_goes_with_the_next_steps_allowance(net, start_daemon):
     """The daemon's wall clock (libfaketime) starts seconds before a UTC midnight; its
     timers (the monotonic clock) run as ever. The next day's allowance goes to the mail
-    that has waited longest."""
+    of the first class waiting, then to the mail that has waited longest."""
     (peer,) = net.peers
     lead = 8.0
     midnight = (day_of(time.time()) + 1) * DAY
@@ -310,9 +311,17 @@ def test_at_the_utc_midnight_waiting_mail_goes_with_the_next_steps_allowance(net
         "FAKETIME_DONT_FAKE_MONOTONIC": "1",
     }
     spread = 'pools.bulk.warmup_spread="1s"'
-    daemon = start_daemon(*net.daemon_overrides(), *FAST, *warming("[2, 3]"), spread, env=clock)
-    for i in range(6):
+    daemon = start_daemon(
+        *net.daemon_overrides(),
+        *FAST,
+        *warming("[2, 3]"),
+        "classes.p1.pool=bulk",
+        spread,
+        env=clock,
+    )
+    for i in range(5):
         daemon.send("app@sender.test", [f"bulk{i}@example.org"], P2)
+    daemon.send("app@sender.test", ["alert@example.org"], P1)  # the youngest, of p1
     assert {m.client_ip for m in peer.wait_messages(2)} == {A}
     waits = wait_for(lambda: (w := events(daemon, "warmup_wait")) and len(w) == 4 and w)
     key = f"mx.example.org:{peer.port}@{A}"
@@ -320,12 +329,13 @@ def test_at_the_utc_midnight_waiting_mail_goes_with_the_next_steps_allowance(net
     assert time.time() + offset < midnight, "the daemon took too long to start"
     assert (day1["step"], day1["allowance"], day1["sent_today"]) == (1, 2, 2)
     assert all(midnight <= w["until"] <= midnight + 1 for w in waits)
-    # Past the daemon's midnight: the 3 oldest of the 4 waiting go (day 2: step 2), none
-    # charged; the youngest waits for day 3.
+    # Past the daemon's midnight, 3 of the 4 waiting go (day 2: step 2), none charged:
+    # the p1 message, then the 2 oldest p2; the youngest p2 waits for day 3.
     received = peer.wait_messages(5, timeout=lead + 15)
     delivered = wait_for(lambda: (d := events(daemon, "delivery")) and len(d) == 5 and d)
     assert sorted(r for m in received for r in m.rcpt_tos) == [
-        f"bulk{i}@example.org" for i in range(5)
+        "alert@example.org",
+        *(f"bulk{i}@example.org" for i in range(4)),
     ]
 
     def at(event: dict) -> float:
@@ -340,7 +350,7 @@ def test_at_the_utc_midnight_waiting_mail_goes_with_the_next_steps_allowance(net
     day2 = destinations(daemon)[key]["warmup"]
     assert (day2["step"], day2["allowance"], day2["sent_today"]) == (2, 3, 3)
     (left,) = daemon.messages().values()
-    assert [r["address"] for r in left["recipients"]] == ["bulk5@example.org"], left
+    assert [r["address"] for r in left["recipients"]] == ["bulk4@example.org"], left
 
 
 def ramps(daemon, *args: str) -> list[dict]:

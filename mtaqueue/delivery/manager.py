@@ -213,7 +213,9 @@ class DeliveryManager:
             self.tls_reports.reconfigure(cfg, sts_context)
         self.sender.on_tls = self.policies.on_failure = self.tls_reports.record
         self.classes = {name: (c.priority, c.weight) for name, c in cfg.classes.items()}
-        self.first_class = class_order({n: c.priority for n, c in cfg.classes.items()})[0]
+        order = class_order({n: c.priority for n, c in cfg.classes.items()})
+        self.first_class = order[0]
+        self.class_rank = {name: rank for rank, name in enumerate(order)}
         self.settle_settings = {
             name: SettleSettings(
                 retry=RetryPolicy.from_config(cfg.retry, first_class=name == self.first_class),
@@ -631,6 +633,10 @@ class DeliveryManager:
             route, failure = None, exc
         if relay is not None and isinstance(route, RouteFailure):
             route = unrouted(relay, route)
+        # By class, then as they came: a source's warm-up allowance goes to the work queued
+        # first, and mail that waited for the next day comes back in one batch.
+        rank = self.class_rank
+        work.sort(key=lambda entry: rank.get(entry[0].klass, 0))
         for message, indexes in work:
             try:
                 if route is None:
