@@ -77,6 +77,9 @@ class Message(msgspec.Struct, frozen=True, array_like=True, gc=False):
     held: bool = False
     held_reason: str = ""  # while held: one of the HELD_* above ("" = an older record's hold)
     held_at: float | None = None  # while held: since when (epoch seconds)
+    # A TLS-RPT report of ours (RFC 8460 3): delivered despite TLS failures (no MTA-STS
+    # requirement), and its sessions are not counted in the next report.
+    tls_report: bool = False
 
 
 def with_hold(message: Message, reason: str, now: float) -> Message:

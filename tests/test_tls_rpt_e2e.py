@@ -190,3 +190,28 @@ def test_mailto_report_is_queued_and_delivered_counts_kept_over_a_restart(world)
     assert attachment.get_filename().startswith(f"{message['TLS-Report-Submitter']}!example.org!")
     document = json.loads(gzip.decompress(base64.b64decode(attachment.get_payload())))
     _check_report(document, _starttls_clients(world))
+
+
+def test_a_report_to_the_failing_domain_itself_is_delivered_and_not_counted(world):
+    """RFC 8460 3: report mail is delivered despite TLS failures, and its session is not
+    in the next report. example.org's own MX fails its enforce policy (a certificate for
+    another name), and its report goes to an address at example.org: the mail of others
+    waits, the report goes to that MX, and no session of it is counted."""
+    world.rua("mailto:tls@example.org")
+    daemon = world.daemon()
+    _failed_and_delivered(world, daemon)
+    held = daemon.ctl("hold", "--all", "--json")  # no more tries of a@example.org
+    assert held.returncode == 0 and json.loads(held.stdout) == {"held": 1}, held
+    sent = {r["domain"]: r for r in _send_reports(daemon)}
+    assert sent["example.org"]["result"] == "sent", sent
+    received = world.misnamed.wait_messages(1)
+    assert received[0].rcpt_tos == ["tls@example.org"]
+    assert received[0].message.get_param("report-type") == "tlsrpt"
+    (delivered,) = [e for e in events(daemon, "delivery") if e["rcpt"] == "tls@example.org"]
+    assert delivered["outcome"] == "delivered" and delivered["attempt"] == 1
+    (other,) = daemon.messages().values()  # a@example.org still waits for valid TLS
+    assert [r["address"] for r in other["recipients"]] == ["a@example.org"]
+    daemon.stop()
+    saved = json.loads((Path(daemon.spool) / "tls_reports.json").read_bytes())
+    counted = [domains.get("example.org") for domains in saved.values()]
+    assert not any(counted), saved  # reported, and the report's session not counted

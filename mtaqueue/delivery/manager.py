@@ -618,12 +618,13 @@ class DeliveryManager:
     ) -> None:
         failure: Exception | None = None
         route: Route | RouteFailure | None
+        plain = None  # the route without MTA-STS and TLS-RPT, for our TLS reports
         try:
             if _own_mx(hop, relay, work):  # RFC 8461 is about a domain's own MX hosts
-                route, sts = await asyncio.gather(
+                plain, sts = await asyncio.gather(
                     self.resolver.route(hop), self._sts.applied(hop.host)
                 )
-                route = restricted(route, sts)
+                route = restricted(plain, sts)
                 if isinstance(route, Route):
                     route = msgspec.structs.replace(route, tls_domain=hop.host)
             else:
@@ -633,6 +634,7 @@ class DeliveryManager:
             route, failure = None, exc
         if relay is not None and isinstance(route, RouteFailure):
             route = unrouted(relay, route)
+        plain = route if plain is None else plain
         # By class, then as they came: a source's warm-up allowance goes to the work queued
         # first, and mail that waited for the next day comes back in one batch.
         rank = self.class_rank
@@ -642,7 +644,9 @@ class DeliveryManager:
                 if route is None:
                     self._retry_later(message.id, indexes, failure)
                 else:
-                    self._queue(message, hop, relay, indexes, route)
+                    # RFC 8460 3: a report is delivered despite TLS failures, uncounted.
+                    taken = plain if message.tls_report else route
+                    self._queue(message, hop, relay, indexes, taken)
             except Exception as exc:
                 log.exception("routing_failed", id=message.id, hop=hop.host)
                 self._retry_later(message.id, indexes, exc)

@@ -209,6 +209,7 @@ class TlsReports:
             expires=now + self.lifetime,
             client="",
             helo=self.hostname,
+            tls_report=True,
         )
         if not await self._queue_mail(message, content):
             raise ValueError("the spool did not take the report mail")
