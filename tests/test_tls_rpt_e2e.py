@@ -207,11 +207,19 @@ def test_a_report_to_the_failing_domain_itself_is_delivered_and_not_counted(worl
     received = world.misnamed.wait_messages(1)
     assert received[0].rcpt_tos == ["tls@example.org"]
     assert received[0].message.get_param("report-type") == "tlsrpt"
-    (delivered,) = [e for e in events(daemon, "delivery") if e["rcpt"] == "tls@example.org"]
+    (delivered,) = wait_for(
+        lambda: [e for e in events(daemon, "delivery") if e["rcpt"] == "tls@example.org"],
+        what="the report's delivery event",
+    )
     assert delivered["outcome"] == "delivered" and delivered["attempt"] == 1
-    (other,) = daemon.messages().values()  # a@example.org still waits for valid TLS
+    (other,) = wait_for(
+        lambda: len(q := daemon.messages()) == 1 and q, what="the report gone"
+    ).values()
+    # a@example.org still waits for valid TLS (held)
     assert [r["address"] for r in other["recipients"]] == ["a@example.org"]
     daemon.stop()
     saved = json.loads((Path(daemon.spool) / "tls_reports.json").read_bytes())
-    counted = [domains.get("example.org") for domains in saved.values()]
-    assert not any(counted), saved  # reported, and the report's session not counted
+    # Reported, and the report's session (TLS, unverified: it would count as a success)
+    # not counted since; a try of a@example.org in flight as it was held may be.
+    after = [day["example.org"] for day in saved.values() if "example.org" in day]
+    assert not any(p["successes"] for entry in after for p in entry["policies"].values()), saved
