@@ -618,7 +618,7 @@ class DeliveryManager:
     ) -> None:
         failure: Exception | None = None
         route: Route | RouteFailure | None
-        plain = None  # the route without MTA-STS and TLS-RPT, for our TLS reports
+        plain = None  # own MX hosts: the route before MTA-STS, for our TLS reports
         try:
             if _own_mx(hop, relay, work):  # RFC 8461 is about a domain's own MX hosts
                 plain, sts = await asyncio.gather(
@@ -634,7 +634,6 @@ class DeliveryManager:
             route, failure = None, exc
         if relay is not None and isinstance(route, RouteFailure):
             route = unrouted(relay, route)
-        plain = route if plain is None else plain
         # By class, then as they came: a source's warm-up allowance goes to the work queued
         # first, and mail that waited for the next day comes back in one batch.
         rank = self.class_rank
@@ -645,8 +644,8 @@ class DeliveryManager:
                     self._retry_later(message.id, indexes, failure)
                 else:
                     # RFC 8460 3: a report is delivered despite TLS failures, uncounted.
-                    taken = plain if message.tls_report else route
-                    self._queue(message, hop, relay, indexes, taken)
+                    report = message.tls_report and plain is not None
+                    self._queue(message, hop, relay, indexes, plain if report else route)
             except Exception as exc:
                 log.exception("routing_failed", id=message.id, hop=hop.host)
                 self._retry_later(message.id, indexes, exc)

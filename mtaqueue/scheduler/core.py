@@ -110,7 +110,7 @@ class _Slot:
     first_class: bool
     state: str
     item: object | None = None  # CONNECTING, WAITING (for the next host), SENDING
-    klass: str = ""  # the item's class and tenant while it waits for the connection
+    klass: str = ""  # the item's class and tenant
     tenant: str | None = None
     transactions: int = 0
     until: float = 0.0  # IDLE: closes then
@@ -418,7 +418,7 @@ class Scheduler(Generic[T]):
         for slot in [s for s in destination.slots.values() if s.state == IDLE]:
             entry, wait = self._next(destination, now, slot.first_class)
             if entry is not None:
-                slot.state, slot.item = SENDING, entry[0]
+                slot.state, (slot.item, slot.klass, slot.tenant) = SENDING, entry
                 actions.append(Send(slot.id, slot.item))
             elif wait is None and now >= slot.until:
                 self._end(slot)
@@ -469,12 +469,10 @@ class Scheduler(Generic[T]):
                     wakes.append(now + send_wait)
                 return
             shaper.connected(now)
-            item, klass, tenant = entry
-            slot = _Slot(next(self._ids), destination.key, first_class, CONNECTING, item)
-            slot.klass, slot.tenant = klass, tenant
+            slot = _Slot(next(self._ids), destination.key, first_class, CONNECTING, *entry)
             destination.slots[slot.id] = slot
             self._slots[slot.id] = slot
-            actions.append(Connect(slot.id, destination.key, item, first_class))
+            actions.append(Connect(slot.id, destination.key, slot.item, first_class))
 
     def _first_class_first(self, slot: _Slot, now: float) -> None:
         """A slot opened for other work carries first-class work that waits now instead:
@@ -483,9 +481,9 @@ class Scheduler(Generic[T]):
         The first-class item takes the tokens of the one it replaces, which goes back to
         the head of its queue (its tenant's token back: it did not go)."""
         queue = self._destinations[slot.destination].queue
-        if slot.klass in (self.first_class, "") or not queue.first_class_waiting():
-            return
-        if slot.klass not in self.classes:  # gone in a reload: it joins the first class
+        # (A class gone in a reload counts as the first class, as in `enqueue`.)
+        first = slot.klass == self.first_class or slot.klass not in self.classes
+        if first or not queue.first_class_waiting():
             return
         eligible = self._eligible(now) if self.tenant_rate else None
         entry = queue.pop(first_class_only=True, eligible=eligible)
