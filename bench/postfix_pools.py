@@ -475,11 +475,13 @@ def _parent(proc: Path) -> int:
 def warmup_next_day(s: Scenario, n: int, k: int) -> None:
     """N = 3K + 2 messages before the faked midnight: K go on day 1 (step 1), then 2K on
     day 2 (step 2: a day with no deferrals advances the ramp, policy/warmup.py `roll`), and
-    the last 2 wait again, for day 3; a restart keeps day 2's step and count."""
+    the last 2 wait again, for day 3; a restart keeps day 2's step and count. The last
+    message is p1 (the others p2), sent once the rest wait: the youngest, it goes on day 2
+    (the allowance goes by class first), as Postfix's log shows by its Message-ID."""
     schedule = f"[{k}, {2 * k}, {4 * k}]"
     s.fake_start = MIDNIGHT - LEAD
     spread = f'pools.bulk.warmup_spread="{WAKE_SPREAD}s"'
-    with s.run(*pool(source(B, schedule)), spread):
+    with s.run(*pool(source(B, schedule)), "classes.p1.pool=bulk", spread):
         assert s.daemon is not None
         ready = logged(s.daemon.wait("ready", 5)[0])
         clock_ok = abs(ready - (MIDNIGHT - LEAD)) < 10 and abs(ready - s.now()) < 5
@@ -489,8 +491,10 @@ def warmup_next_day(s: Scenario, n: int, k: int) -> None:
             f" {datetime.fromtimestamp(ready, UTC):%Y-%m-%d %H:%M:%S} UTC; the spool"
             f" writer faked too: {child_ok}"
         )
-        s.submit([f"day{i}@example.org" for i in range(n)])
+        s.submit([f"day{i}@example.org" for i in range(n - 1)])
         day1 = s.delivered(k)
+        s.daemon.wait("warmup_wait", 60, count=n - 1 - k)
+        s.submit(["alert@example.org"], klass="p1")
         waits = s.daemon.wait("warmup_wait", 60, count=n - k)
         time.sleep(1)  # nothing more may leave
         key = f"{s.mx}@{B}"
@@ -553,6 +557,10 @@ def warmup_next_day(s: Scenario, n: int, k: int) -> None:
     ramp0, ramp1, ramp2 = (d.get("warmup") or {} for d in (before, after, restarted))
     rcpts = [r for m in queue for r in m["recipients"]]
     left_over = [r for m in remaining for r in m["recipients"]]
+    alert = next((m["id"] for m in queue if m["class"] == "p1"), "")
+    alert_at = [t for t, mid in s.log["accepted"] if mid.startswith(f"<{alert}@")]
+    print(f"  Postfix's log: the p1 message <{alert}@...> at {span(alert_at)} real")
+    alert_day2 = len(alert_at) == 1 and real <= alert_at[0] <= real + WAKE_SPREAD + 30
     ok = (
         clock_ok
         and child_ok
@@ -589,6 +597,7 @@ def warmup_next_day(s: Scenario, n: int, k: int) -> None:
         and not later
         and len(remaining) == n - 3 * k
         and all(r["attempts"] == 0 for r in left_over)
+        and alert_day2  # the youngest, yet on day 2
         and len(first) == 3 * k
         and not [e for e in first if e.get("outcome") != "delivered"]
         and not dsns
@@ -602,7 +611,8 @@ def warmup_next_day(s: Scenario, n: int, k: int) -> None:
         f" {ramp0.get('allowance')} sent, {len(queue)} waiting (0 attempts); day 2:"
         f" warmup_advanced to step {ramp1.get('step')}, {len(day2)} delivered in attempt 1"
         f" within {WAKE_SPREAD} s of midnight, {ramp1.get('sent_today')} of"
-        f" {ramp1.get('allowance')} sent, {len(rewaits)} waiting for day 3; after a restart:"
+        f" {ramp1.get('allowance')} sent, the p1 one {'' if alert_day2 else 'not '}among"
+        f" them (Postfix's log), {len(rewaits)} waiting for day 3; after a restart:"
         f" step {ramp2.get('step')}, sent today {ramp2.get('sent_today')}, nothing more"
         f" sent; 0 bounced",
         ok,
