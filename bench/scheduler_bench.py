@@ -26,7 +26,8 @@ from mtaqueue.config import DEFAULT_CLASSES
 from mtaqueue.policy.classify import classify
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.shaper import DestinationShaper
-from mtaqueue.scheduler.core import Connect, Scheduler, Send
+from mtaqueue.scheduler.actions import Connect, Send
+from mtaqueue.scheduler.core import Scheduler
 
 OK = Reply("data_end", 250, "2.0.0", "ok")
 CLASSES = {name: (c.priority, c.weight) for name, c in DEFAULT_CLASSES.items()}

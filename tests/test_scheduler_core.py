@@ -20,16 +20,8 @@ from mtaqueue.config import DEFAULT_CLASSES
 from mtaqueue.policy.classify import classify
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.shaper import DestinationShaper
-from mtaqueue.scheduler.core import (
-    Close,
-    Connect,
-    Dispatch,
-    GiveUp,
-    Release,
-    Scheduler,
-    Send,
-    Wake,
-)
+from mtaqueue.scheduler.actions import Close, Connect, Dispatch, GiveUp, Release, Send, Wake
+from mtaqueue.scheduler.core import Scheduler
 
 CLASSES = {name: (c.priority, c.weight) for name, c in DEFAULT_CLASSES.items()}
 T0 = 1_000_000.0

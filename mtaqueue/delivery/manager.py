@@ -74,17 +74,8 @@ from ..routing.nexthop import NextHop, next_hop
 from ..routing.pools import Pool, Pools, Source, family_of
 from ..routing.relays import Relay, relays, unrouted
 from ..routing.resolver import Resolver, Route, RouteFailure
-from ..scheduler.core import (
-    Action,
-    Close,
-    Connect,
-    Dispatch,
-    GiveUp,
-    Release,
-    Scheduler,
-    Send,
-    Wake,
-)
+from ..scheduler.actions import Action, Close, Connect, Dispatch, GiveUp, Release, Send, Wake
+from ..scheduler.core import Scheduler
 from ..smtp.addresses import domain_of
 from ..smtp.client import ClientSettings, SmtpConnection
 from ..spool import statefile
@@ -242,8 +233,12 @@ class DeliveryManager:
             )
         else:
             core = self.core
-            core.max_connections, core.connection_idle = d.max_connections, d.connection_idle
-            core.rate, core.tenant_rate = rate, tenant_rate
+            core.configure(
+                max_connections=d.max_connections,
+                connection_idle=d.connection_idle,
+                rate=rate,
+                tenant_rate=tenant_rate,
+            )
             if core.classes != self.classes:
                 core.reclassify(self.classes)
         by_key = self._relays_by_key = routes.by_key()
