@@ -1,0 +1,170 @@
+"""Operator and API commands on the queue and its destinations (mtaqueue-ctl, the API).
+
+    Operations(driver, outcomes, placement, registry, spool, resolver)
+    .configure(cfg)
+    .hold(messages, reason) / .release(messages) / .flush(messages) / .requeue(messages)
+    .delete(messages) / .cancel(messages, reason) / .bounce(messages)   -> count
+    .limit(name, rate, concurrency, until) / .backoff(name, until)      -> destinations
+    .forget_learned(name) -> count
+    .revalidated(message_id, indexes, decision)   the application's answer (revalidation)
+
+Each reads the clock once, changes records through the spool, and hands what the core
+decides to the driver. A flush still goes through pacing, the breaker and the greylisting
+minimum: it never hammers a receiver.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .. import config
+from ..logs import get_logger
+from ..model import HELD_BY_OPERATOR, HELD_BY_REVALIDATION, Message, with_hold, without_hold
+from ..policy.revalidate import CANCEL, HOLD
+from ..policy.settle import bounce_now, flushed
+from ..policy.shaper import DestinationShaper
+from ..routing.resolver import Resolver
+from ..smtp.addresses import domain_of
+from ..spool.store import Spool
+from .driver import Driver
+from .outcomes import Outcomes, earliest_due, journal
+from .registry import Registry, Steer
+
+log = get_logger("delivery")
+
+
+class Operations:
+    def __init__(
+        self,
+        driver: Driver,
+        outcomes: Outcomes,
+        registry: Registry,
+        spool: Spool,
+        resolver: Resolver,
+    ) -> None:
+        self.driver = driver
+        self.outcomes = outcomes
+        self.registry = registry
+        self.spool = spool
+        self.resolver = resolver
+
+    def configure(self, cfg: config.Config) -> None:
+        self.greylist_min = cfg.retry.greylist_min
+
+    def _schedule(self, message_id: str, due: float, now: float) -> None:
+        self.driver.perform(self.outcomes.schedule(message_id, due, now))
+
+    def hold(self, messages: list[Message], reason: str = HELD_BY_OPERATOR) -> int:
+        """Held mail is not attempted and does not expire until released."""
+        now = self.driver.now()
+        ids = {m.id for m in messages if not m.held}
+        self.outcomes.unqueue_messages(ids, now)
+        for message_id in ids:
+            held = with_hold(self.spool.messages[message_id], reason, now)
+            journal(self.spool.update(held), message_id)
+        return len(ids)
+
+    def release(self, messages: list[Message]) -> int:
+        """Release held mail; it resumes its schedule (overdue mail is due now)."""
+        now = self.driver.now()
+        count = 0
+        for message in messages:
+            if message.held:
+                released = without_hold(message)
+                journal(self.spool.update(released), message.id)
+                self._schedule(message.id, earliest_due(released) or 0.0, now)
+                count += 1
+        return count
+
+    def flush(self, messages: list[Message]) -> int:
+        """Make deferred mail due now (still paced)."""
+        now = self.driver.now()
+        count = 0
+        for message in messages:
+            if message.held:
+                continue
+            recipients = [flushed(r, now, self.greylist_min) for r in message.recipients]
+            message = msgspec.structs.replace(message, recipients=tuple(recipients))
+            journal(self.spool.update(message), message.id)
+            due = earliest_due(message)
+            if due is not None:
+                self._schedule(message.id, due, now)
+                count += 1
+        return count
+
+    def requeue(self, messages: list[Message]) -> int:
+        """Look the recipients' domains up again, then flush (still paced)."""
+        for message in messages:
+            for rcpt in message.recipients:
+                self.resolver.cache.forget(domain_of(rcpt.address))
+        return self.flush(messages)
+
+    def delete(self, messages: list[Message]) -> int:
+        """Remove messages without notice (an operator's decision, logged)."""
+        return self.cancel(messages, "deleted by operator")
+
+    def cancel(self, messages: list[Message], reason: str) -> int:
+        """Remove messages without a DSN: the operator's delete, the application's cancel
+        (API, revalidation). `reason` is journaled; any reason but DONE makes the
+        recipients not yet final "cancelled" events."""
+        ids = {m.id for m in messages}
+        self.outcomes.unqueue_messages(ids, self.driver.now())
+        for message in messages:
+            self.outcomes.active.end(message.id)
+            journal(self.spool.remove(message.id, reason), message.id)
+            log.info("deleted", id=message.id, sender=message.sender, reason=reason)
+        return len(ids)
+
+    def bounce(self, messages: list[Message]) -> int:
+        """Fail messages now, with a DSN to their senders."""
+        now = self.driver.now()
+        ids = {m.id for m in messages}
+        self.outcomes.unqueue(lambda item: item.message_id in ids, now)
+        for message in messages:
+            self.outcomes.active.busy.pop(message.id, None)
+            settlement = bounce_now(message, now, "550 5.0.0 returned by the administrator")
+            self.driver.perform(self.outcomes.apply(settlement, now))
+        return len(ids)
+
+    def revalidated(self, message_id: str, indexes: list[int], decision: str) -> None:
+        """The application's answer about a message set aside for it (revalidation.py):
+        its recipients go on to routing, or it is cancelled (no DSN: the application said
+        the mail no longer holds) or held for review. A message deleted, held or bounced
+        meanwhile stays as the operator left it."""
+        self.outcomes.active.free(message_id, indexes)
+        message = self.spool.messages.get(message_id)
+        if message is None or message.held or self.driver.closing:
+            return
+        if decision == CANCEL:
+            self.cancel([message], "cancelled by revalidation")
+        elif decision == HOLD:
+            self.hold([message], HELD_BY_REVALIDATION)
+        else:  # the go-ahead is remembered: this dispatch is not checked again
+            self.driver.route_due([message_id])
+
+    # -- destinations ------------------------------------------------------------------
+
+    def limit(self, name: str, rate: float | None, concurrency: int | None, until: float | None):
+        """Runtime limits for a destination (by domain or destination name)."""
+
+        def apply(shaper: DestinationShaper, now: float) -> None:
+            shaper.override(now, rate_per_minute=rate, concurrency=concurrency, until=until)
+
+        return self._steer(name, apply)
+
+    def backoff(self, name: str, until: float) -> int:
+        def apply(shaper: DestinationShaper, now: float) -> None:
+            shaper.force_backoff(now, until)
+
+        return self._steer(name, apply)
+
+    def forget_learned(self, name: str) -> int:
+        return self.registry.forget_learned(name, self.driver.now())
+
+    def _steer(self, name: str, apply: Steer) -> int:
+        """Apply to matching destinations now, and to one that appears later."""
+        now = self.driver.now()
+        keys = self.registry.steer(name, apply, now)
+        # Idle connections over a lowered limit close; a raised one may open more.
+        self.driver.perform(self.driver.core.tick(now, *keys))
+        return len(keys)

@@ -1,0 +1,236 @@
+"""The live destinations, what destinations taught, and the operator's standing steers.
+
+    Registry(core, spool)
+    .destinations: dict[str, Destination]     live, by key
+    .learned: dict[str, Learned]              lessons of destinations not live now
+    .configure(cfg, relays_by_key, smarthosts, now)   a start or a reload: new pacing
+    .create(key, domain, route, relay, now, source) -> Destination
+    .retire(destination, now)                 forget one with nothing to do or remember
+    .relay_named(key) -> Relay | None         the smarthost a destination key is
+    .matching(name) -> [Destination]          an operator's name (key, or a domain)
+    .steer(name, apply, now) -> [key]         a limit or backoff, now and for later ones
+    .forget_learned(name, now) -> int
+    .learned_data(now) -> bytes               the learned.json state file
+    .domains(now, sender, egress) -> [dict]   state of each live destination
+
+A destination appears when mail is routed to it and goes when it is quiet; its learned
+limits outlive it (rate_learner.kept decides for how long).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .. import config
+from ..logs import get_logger
+from ..model import DEFERRED, QUEUED
+from ..policy import rate_learner
+from ..policy.egress import EgressState
+from ..policy.shaper import DestinationShaper, pacing_for, stated_rate
+from ..routing.pools import Source
+from ..routing.relays import Relay
+from ..routing.resolver import Route
+from ..scheduler.core import Scheduler
+from ..smtp.addresses import domain_of
+from ..smtp.client import Smarthost
+from ..spool.store import Spool
+from .destination import Destination
+from .sender import Sender
+
+log = get_logger("delivery")
+
+Steer = Callable[[DestinationShaper, float], None]
+PENDING = (QUEUED, DEFERRED)
+
+
+class Registry:
+    def __init__(self, core: Scheduler, spool: Spool) -> None:
+        self.core = core
+        self.spool = spool
+        self.destinations: dict[str, Destination] = {}
+        self.learned: dict[str, rate_learner.Learned] = {}
+        self._overrides: dict[str, Steer] = {}
+        self._relays_by_key: dict[str, Relay] = {}
+        self._smarthosts: dict[str, Smarthost] = {}
+
+    def configure(
+        self,
+        cfg: config.Config,
+        relays_by_key: dict[str, Relay],
+        smarthosts: dict[str, Smarthost],
+        now: float,
+    ) -> list[str]:
+        """Take reloaded settings; destinations keep their state unless their pacing
+        changed. The smarthosts whose settings changed are returned (logged by the
+        caller)."""
+        self.shaping = cfg.shaping
+        fresh_ones = []
+        for destination in self.destinations.values():
+            fresh = False
+            if destination.relay is not None and destination.key in relays_by_key:
+                # A smarthost no longer named keeps its settings for the mail queued there.
+                smarthost = smarthosts[destination.key]
+                fresh = smarthost != destination.smarthost
+                destination.relay = relays_by_key[destination.key]
+                destination.smarthost = smarthost
+                if fresh:
+                    fresh_ones.append(destination.key)
+            self._repace(destination, now, fresh=fresh)
+        self._relays_by_key, self._smarthosts = relays_by_key, smarthosts
+        return fresh_ones
+
+    def _repace(self, destination: Destination, now: float, fresh: bool = False) -> None:
+        """Apply reloaded pacing and classes to a live destination; `fresh`: its state
+        starts over too, what it learned aside (a smarthost's new password or TLS settings
+        deserve an attempt now, not after the breaker's cooldown)."""
+        domain = _domain_of(destination)
+        pacing = pacing_for(self.shaping, domain, destination.hosts)
+        if pacing != destination.pacing or fresh:
+            destination.pacing = pacing
+            learned = destination.shaper.learned()
+            destination.shaper = DestinationShaper(
+                pacing,
+                self.shaping,
+                now,
+                learned,
+                stated_rate=stated_rate(self.shaping, domain, destination.hosts),
+            )
+            self.core.add_destination(destination.key, destination.shaper, pacing)
+
+    def create(
+        self,
+        key: str,
+        domain: str,
+        route: Route,
+        relay: Relay | None,
+        now: float,
+        source: Source | None = None,
+    ) -> Destination:
+        shaping = self.shaping
+        hosts = [h.name for h in route.hosts]
+        if relay is not None:
+            domain = ""  # see _domain_of
+        pacing = pacing_for(shaping, domain, hosts)
+        shaper = DestinationShaper(
+            pacing,
+            shaping,
+            now,
+            self.learned.get(key),
+            stated_rate=stated_rate(shaping, domain, hosts),
+        )
+        smarthost = self._smarthosts.get(key) if relay is not None else None
+        destination = Destination(
+            key,
+            pacing,
+            shaper,
+            hosts=hosts,
+            port=route.port,
+            relay=relay,
+            smarthost=smarthost,
+            source=source,
+        )
+        for name in (key, destination.base, domain) if domain else (key, destination.base):
+            if name in self._overrides:
+                self._overrides[name](destination.shaper, now)
+        self.destinations[key] = destination
+        self.core.add_destination(key, shaper, pacing)
+        return destination
+
+    def relay_named(self, key: str) -> Relay | None:
+        """The smarthost that destination `key` is (one that did not resolve has no live
+        destination, but its key)."""
+        relay = self._relays_by_key.get(key)
+        if relay is None and key in self.destinations:
+            relay = self.destinations[key].relay
+        return relay
+
+    def retire(self, destination: Destination, now: float) -> None:
+        """Forget a destination with nothing to do and nothing to remember: its shaper at
+        rest, no replies in its stats window and no mail routed to it still waiting (a
+        deferred message keeps its destination's state in `mtaqueue-ctl domains`)."""
+        quiet = destination.shaper.at_rest(now) and not destination.recent(now)
+        if quiet and not self._still_waiting(destination) and self.core.forget(destination.key):
+            self.learned[destination.key] = destination.shaper.learned()
+            self.destinations.pop(destination.key, None)
+
+    def _still_waiting(self, destination: Destination) -> bool:
+        """Whether a message routed to the destination still has a recipient pending there;
+        forgets those that have none."""
+        for message_id in list(destination.waiting):
+            message = self.spool.messages.get(message_id)
+            if message is not None and any(
+                r.state in PENDING
+                and (destination.relay is not None or domain_of(r.address) in destination.domains)
+                for r in message.recipients
+            ):
+                return True
+            destination.waiting.discard(message_id)
+        return False
+
+    def matching(self, name: str) -> list[Destination]:
+        return [d for d in self.destinations.values() if named(d, name)]
+
+    def steer(self, name: str, apply: Steer, now: float) -> list[str]:
+        """Apply to matching destinations now, and to one that appears later; the keys
+        of those it applied to."""
+        name = name.lower()
+        self._overrides[name] = apply
+        matched = self.matching(name)
+        for destination in matched:
+            apply(destination.shaper, now)
+        return [d.key for d in matched]
+
+    def forget_learned(self, name: str, now: float) -> int:
+        """Drop what destinations (by domain or destination name) learned: live ones start
+        over from the slow start, remembered ones are no longer saved. Once, unlike a limit:
+        what they learn from now on is kept."""
+        name = name.lower()
+        live = self.matching(name)
+        for destination in live:
+            destination.shaper.forget(now)
+        keys = {d.key for d in live} | ({name} & self.learned.keys())
+        for key in keys:
+            self.learned.pop(key, None)
+            log.info("learned_forgotten", destination=key)
+        return len(keys)
+
+    def learned_data(self, now: float) -> bytes:
+        """The state file: live destinations' lessons over the remembered ones, without
+        those forgotten by now or that taught nothing."""
+        live = {key: d.shaper.learned() for key, d in self.destinations.items()}
+        learned = {**self.learned, **live}
+        self.learned = {
+            key: lesson for key, lesson in learned.items() if rate_learner.kept(lesson, now)
+        }
+        return rate_learner.encode(self.learned)
+
+    def domains(self, now: float, sender: Sender, egress: EgressState) -> list[dict]:
+        """The live destinations' state (for metrics and `mtaqueue-ctl domains`)."""
+        by_source: dict[Source | None, dict[str, float]] = {}  # hosts suspended for each
+        entries = []
+        for d in self.destinations.values():
+            if d.source not in by_source:
+                by_source[d.source] = sender.suspended_hosts(now, d.source)
+            suspended = by_source[d.source]
+            entries.append(
+                d.snapshot(now, suspended, self.core.waiting(d.key), self.core.slots(d.key)[0])
+                | egress.snapshot(d.base, d.source, now)
+            )
+        return entries
+
+
+def _domain_of(destination: Destination) -> str:
+    """The domain its pacing rules match on: none for a smarthost (a rule for gmail.com
+    paces Gmail's MX, not an ESP that carries some of that mail)."""
+    if destination.relay is not None:
+        return ""
+    return min(destination.domains) if destination.domains else destination.key
+
+
+def named(destination: Destination, name: str) -> bool:
+    """Whether an operator's name (ctl limit, backoff, forget) means this destination: its
+    key, or a domain it serves, unless it is a smarthost (a limit for gmail.com paces
+    Gmail's MX, not an ESP that carries some of that mail)."""
+    if name in (destination.key, destination.base):
+        return True
+    return destination.relay is None and name in destination.domains
