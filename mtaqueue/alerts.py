@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .config import (
+from .config.alert_rules import (
     AlertRule,
     DeferralRate,
     DepthGrowing,
