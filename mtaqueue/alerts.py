@@ -8,7 +8,7 @@ never in between, so a log shows each incident exactly twice. `active()` lists t
 ones for the mtaqueue_alert_active gauge. A reload (`reconfigure`) keeps the alerts of the
 rules that stay and clears those of the rules that go.
 
-Rules are msgspec structs the config embeds, picked by `type`; a rule names one subject or
+Rules are config tables ([[alerts.rules]], picked by `type`); a rule names one subject or
 "*" for each subject the snapshot has:
 - oldest_age: the oldest waiting message of a class is older than `over`.
 - deferral_rate: over the last `window`, more than `over` (a fraction) of a destination's
@@ -34,93 +34,20 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
 
-import msgspec
+from .config.alert_rules import (
+    AlertRule,
+    DeferralRate,
+    DepthGrowing,
+    OldestAge,
+    ReviewOldestAge,
+    ReviewSize,
+    SpoolFree,
+    WebhookBacklog,
+)
 
 FIRING = "firing"
 CLEARED = "cleared"
-
-
-class _Rule(
-    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"
-):
-    name: str = ""  # in events and the gauge; "" = the rule's type
-
-
-class OldestAge(_Rule, frozen=True, kw_only=True, tag="oldest_age"):
-    klass: str = msgspec.field(name="class")  # "*" = each class
-    over: config.Duration
-
-    @property
-    def threshold(self) -> float:
-        return self.over
-
-
-class DeferralRate(_Rule, frozen=True, kw_only=True, tag="deferral_rate"):
-    destination: str = "*"
-    over: Annotated[float, msgspec.Meta(ge=0, le=1)]
-    window: config.Duration
-    # A handful of attempts says little: 1 deferral out of 1 is not a 100% problem.
-    min_attempts: Annotated[int, msgspec.Meta(ge=1)] = 10
-
-    @property
-    def threshold(self) -> float:
-        return self.over
-
-
-class DepthGrowing(_Rule, frozen=True, kw_only=True, tag="depth_growing"):
-    destination: str = "*"
-    period: config.Duration = msgspec.field(name="for")
-    over: Annotated[int, msgspec.Meta(ge=0)] = 0  # and only above this depth
-
-    @property
-    def threshold(self) -> float:
-        return self.period
-
-
-class SpoolFree(_Rule, frozen=True, kw_only=True, tag="spool_free"):
-    under: config.Size
-
-    @property
-    def threshold(self) -> float:
-        return self.under
-
-
-class ReviewSize(_Rule, frozen=True, kw_only=True, tag="review_size"):
-    over: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-    @property
-    def threshold(self) -> float:
-        return self.over
-
-
-class ReviewOldestAge(_Rule, frozen=True, kw_only=True, tag="review_oldest_age"):
-    over: config.Duration
-
-    @property
-    def threshold(self) -> float:
-        return self.over
-
-
-class WebhookBacklog(_Rule, frozen=True, kw_only=True, tag="webhook_backlog"):
-    webhook: str = "*"
-    over: config.Duration
-
-    @property
-    def threshold(self) -> float:
-        return self.over
-
-
-AlertRule = (
-    OldestAge
-    | DeferralRate
-    | DepthGrowing
-    | SpoolFree
-    | ReviewSize
-    | ReviewOldestAge
-    | WebhookBacklog
-)
 REVIEW = "review"  # the subject of the review rules
 
 
@@ -295,9 +222,3 @@ def _increase(history: _History, start: float) -> tuple[int, int]:
         base = sample
     newest = history[-1]
     return newest[1] - base[1], newest[2] - base[2]
-
-
-# Last, after the rule types exist: config.py embeds them (`from .alerts import AlertRule`)
-# while their fields use its units, resolved only when a config is decoded. Imported at the
-# top, a first import of this module would re-enter it half-defined through config.py.
-from . import config  # noqa: E402

@@ -23,6 +23,7 @@ from mtaqueue.alerts import (
     SpoolFree,
     WebhookBacklog,
 )
+from mtaqueue.config.table import convert
 
 GIB = 2**30
 
@@ -199,7 +200,7 @@ def test_rules_decode_from_the_config_with_its_units():
         {"type": "review_oldest_age", "over": "4h"},
         {"type": "webhook_backlog", "webhook": "app", "over": "15m"},
     ]
-    rules = config._convert(raw, list[AlertRule], "alerts.rules")
+    rules = convert(raw, list[AlertRule], "alerts.rules")
     assert rules == [
         OldestAge(klass="p0", over=900.0),
         DeferralRate(name="gmail_4xx", over=0.3, window=600.0),
@@ -210,13 +211,11 @@ def test_rules_decode_from_the_config_with_its_units():
         WebhookBacklog(webhook="app", over=900.0),
     ]
     with pytest.raises(config.ConfigError, match=r"alerts\.rules\[0\]\.over: expected float"):
-        config._convert(
+        convert(
             [{"type": "deferral_rate", "over": 2, "window": "1m"}], list[AlertRule], "alerts.rules"
         )
     with pytest.raises(config.ConfigError, match=r"alerts\.rules\[0\]\.klass: unknown key"):
-        config._convert(
-            [{"type": "oldest_age", "klass": "p0", "over": 1}], list[AlertRule], "alerts.rules"
-        )
+        convert([{"type": "oldest_age", "klass": "p0", "over": 1}], list[AlertRule], "alerts.rules")
 
 
 # -- any sequence of snapshots: firing and cleared alternate, and active() agrees ------------

@@ -13,13 +13,14 @@ import pytest
 from daemon_process import DaemonProcess
 
 from mtaqueue import config
+from mtaqueue.config import loading
 from mtaqueue.control import ctl
 from mtaqueue.daemon import main as daemon_main
 
 
 def test_default_path_order(tmp_path, monkeypatch):
     system = tmp_path / "system.toml"
-    monkeypatch.setattr(config, "SYSTEM_CONFIG", str(system))
+    monkeypatch.setattr(loading, "SYSTEM_CONFIG", str(system))
     monkeypatch.delenv("MTAQUEUE_CONFIG", raising=False)
     assert config.default_path() is None  # nothing there: the built-in defaults
     system.write_text("")
@@ -33,7 +34,7 @@ def test_ctl_without_a_config_finds_a_daemon_on_the_built_in_defaults(
 ):
     # The daemon's spool and socket where the defaults put them, relative to its cwd.
     daemon = start_daemon("spool.path=spool", "control.socket=")
-    monkeypatch.setattr(config, "SYSTEM_CONFIG", str(tmp_path / "absent.toml"))
+    monkeypatch.setattr(loading, "SYSTEM_CONFIG", str(tmp_path / "absent.toml"))
     monkeypatch.delenv("MTAQUEUE_CONFIG", raising=False)
     monkeypatch.chdir(daemon.workdir)
     assert ctl.main(["status", "--json"]) == 0

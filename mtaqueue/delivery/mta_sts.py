@@ -25,7 +25,6 @@ from ..policy.mta_sts import (
     NONE,
     POLICY_SIZE_LIMIT,
     WELL_KNOWN,
-    Applied,
     Fetch,
     Policy,
     after_fetch,
@@ -36,6 +35,7 @@ from ..policy.mta_sts import (
 )
 from ..policy.tls_report import Session, fetch_result_type
 from ..routing.resolver import Resolver, Route, RouteFailure
+from ..routing.sts import Applied
 from ..spool import statefile
 
 log = get_logger("delivery")

@@ -22,7 +22,7 @@ from ..logs import get_logger
 from ..model import Message
 from ..policy.classify import AUTH, BLOCKLIST, DELIVERED, HOST, IPV6, THROTTLING, Rule, classify
 from ..policy.hosts import EVERY, HostSuspensions, host_key
-from ..policy.mta_sts import AS_USUAL, VERIFY, Applied, requirement
+from ..policy.mta_sts import AS_USUAL, VERIFY, requirement
 from ..policy.replies import Reply
 from ..policy.settle import Result
 from ..policy.shaper import REFUSALS_PER_CONNECTION
@@ -30,6 +30,7 @@ from ..policy.tls_report import Session, result_type
 from ..routing.pools import Source, family_of
 from ..routing.relays import STARTTLS
 from ..routing.resolver import Route
+from ..routing.sts import Applied
 from ..smtp.client import ClientSettings, ConnectFailed, Smarthost, SmtpConnection
 from . import mta_sts
 

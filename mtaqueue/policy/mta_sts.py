@@ -16,6 +16,8 @@ import re
 
 import msgspec
 
+from ..routing.sts import Applied
+
 ENFORCE = "enforce"
 TESTING = "testing"
 NONE = "none"
@@ -149,16 +151,6 @@ def after_fetch(cached: Policy | None, fetched: Policy | None, now: float) -> Po
 VERIFY = "verify"  # TLS with a certificate valid for the MX name, or no delivery
 VERIFY_OR_LOG = "verify-or-log"  # try that; a failure is logged, delivery goes on as usual
 AS_USUAL = ""  # delivery.tls as configured
-
-
-class Applied(msgspec.Struct, frozen=True):
-    """A domain's policy as a route carries it (resolver.Route.sts)."""
-
-    domain: str
-    mode: str  # ENFORCE or TESTING
-    mx: tuple[str, ...]
-    id: str
-    max_age: int = 0  # seconds (a TLS-RPT report quotes the policy)
 
 
 def eligible(applied: Applied, hosts: list[str]) -> tuple[list[str], list[str]]:

@@ -22,7 +22,8 @@ import time
 
 import msgspec
 
-from .mta_sts import Applied, Policy, render_policy
+from ..routing.sts import Applied
+from .mta_sts import Policy, render_policy
 
 # RFC 8460 4.3: the result types we can tell apart.
 STARTTLS_NOT_SUPPORTED = "starttls-not-supported"

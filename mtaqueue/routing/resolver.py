@@ -22,9 +22,9 @@ import dns.nameserver
 import dns.resolver
 import msgspec
 
-from mtaqueue.policy.mta_sts import Applied
 from mtaqueue.routing.dnscache import DnsCache, Entry, Key
 from mtaqueue.routing.nexthop import NextHop, is_ip_address
+from mtaqueue.routing.sts import Applied
 
 NXDOMAIN = "NXDOMAIN"
 NODATA = "NODATA"
