@@ -21,10 +21,9 @@ from mtaqueue.smtp.server_session import (
     ServerSession,
     SessionSettings,
     StartTLS,
-    Stream,
-    Submit,
     Write,
 )
+from mtaqueue.transaction import Stream, Submit
 
 HOST = "mx.test"
 QUEUED = "250 2.0.0 Ok: queued as 0123456789ABC"

@@ -33,6 +33,7 @@ from ..submission import (
     prepare,
     prepare_header,
 )
+from ..transaction import Stream, Submit
 from .auth import Credentials
 from .server_session import (
     CheckCredentials,
@@ -40,8 +41,6 @@ from .server_session import (
     ServerSession,
     SessionSettings,
     StartTLS,
-    Stream,
-    Submit,
     Write,
 )
 

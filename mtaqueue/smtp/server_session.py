@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from ..model import Recipient
+from ..transaction import Envelope, Stream, Submit
 from . import content as data_
 from .addresses import ATOM, AddressError, check_mailbox, split_path, xtext_decode
 from .content import Limits, Pieces
@@ -60,42 +61,6 @@ def content_limits(settings: SessionSettings) -> Limits:
         settings.max_header_size,
         settings.bare_newline == "reject",
     )
-
-
-@dataclass(slots=True)
-class Envelope:
-    sender: str = ""
-    recipients: list[Recipient] = field(default_factory=list)
-    body: str = "7BIT"
-    smtputf8: bool = False
-    envid: str | None = None
-    ret: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Submit:
-    """Commit this message; resume() with the reply line for the client."""
-
-    envelope: Envelope
-    content: bytes
-    helo: str
-    esmtp: bool
-    user: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Stream:
-    """The start of a message too large to hold: store its header and the content so far;
-    the rest follows as `Write`s and a `Finish`. resume() with None to go on, or with the
-    reply to give at the final dot if it cannot be stored (the rest is then read and
-    dropped)."""
-
-    envelope: Envelope
-    header: bytes  # the header lines, up to the empty line that ends them
-    data: bytes  # the content after them, so far
-    helo: str
-    esmtp: bool
-    user: str | None
 
 
 @dataclass(frozen=True, slots=True)
