@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtaqueue.model import Recipient
-from mtaqueue.smtp.server_session import CheckCredentials, ServerSession, SessionSettings
+from mtaqueue.smtp.actions import CheckCredentials
+from mtaqueue.smtp.server_session import ServerSession
+from mtaqueue.smtp.session_settings import SessionSettings
 from mtaqueue.submission import MAX_KEY_LENGTH, Received, Refused, SubmissionSettings, prepare
 from mtaqueue.transaction import Envelope, Submit
 

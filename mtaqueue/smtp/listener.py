@@ -34,15 +34,10 @@ from ..submission import (
     prepare_header,
 )
 from ..transaction import Stream, Submit
+from .actions import CheckCredentials, Finish, StartTLS, Write
 from .auth import Credentials
-from .server_session import (
-    CheckCredentials,
-    Finish,
-    ServerSession,
-    SessionSettings,
-    StartTLS,
-    Write,
-)
+from .server_session import ServerSession
+from .session_settings import SessionSettings
 
 log = get_logger("listener")
 
