@@ -49,7 +49,7 @@ from .sdnotify import Notifier
 from .smtp.addresses import qualified_hostname
 from .smtp.auth import Credentials, hash_password, load_auth_file
 from .smtp.listener import Listener, ListenerSettings
-from .smtp.server_session import SessionSettings
+from .smtp.session_settings import SessionSettings
 from .spool import event_log
 from .spool.store import RecoveryReport, Spool, SpoolLocked, StorageError
 from .spool.sweep import sweep

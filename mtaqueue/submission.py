@@ -15,7 +15,7 @@ from email.utils import formatdate
 
 from .header_fields import header_end, split_fields
 from .model import Message
-from .smtp.server_session import Stream, Submit
+from .transaction import Stream, Submit
 
 CLASS_HEADER = b"x-mtaqueue-class"
 EXPIRES_HEADER = b"x-mtaqueue-expires"

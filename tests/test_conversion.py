@@ -1,4 +1,4 @@
-"""Content made legal for a hop (mtaqueue.delivery.conversion): pure, bytes in, bytes out."""
+"""Content made legal for a hop (mtaqueue.conversion): pure, bytes in, bytes out."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import email.policy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtaqueue.delivery.conversion import MAX_LINE, Prepared, Refused, prepare
+from mtaqueue.conversion import MAX_LINE, Prepared, Refused, prepare
 
 
 def crlf(text: str) -> bytes:

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mtaqueue.config import ConfigError, load
-from mtaqueue.delivery.conversion import Prepared, prepare
+from mtaqueue.conversion import Prepared, prepare
 from mtaqueue.dkim.canonical import RelaxedBody, relaxed_field
 from mtaqueue.dkim.keys import load_keys
 from mtaqueue.dkim.signature import fill, sign_digest

@@ -10,21 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtaqueue.smtp import server_session
+from mtaqueue.smtp import data_reader
+from mtaqueue.smtp.actions import CheckCredentials, Finish, StartTLS, Write
 from mtaqueue.smtp.content import has_line_over
-from mtaqueue.smtp.server_session import (
-    MAX_COMMAND_LINE,
-    MAX_ERRORS,
-    STREAM_PIECE,
-    CheckCredentials,
-    Finish,
-    ServerSession,
-    SessionSettings,
-    StartTLS,
-    Stream,
-    Submit,
-    Write,
-)
+from mtaqueue.smtp.data_reader import STREAM_PIECE
+from mtaqueue.smtp.server_session import MAX_COMMAND_LINE, MAX_ERRORS, ServerSession
+from mtaqueue.smtp.session_settings import SessionSettings
+from mtaqueue.transaction import Stream, Submit
 
 HOST = "mx.test"
 QUEUED = "250 2.0.0 Ok: queued as 0123456789ABC"
@@ -851,7 +843,7 @@ def test_huge_message_is_streamed_without_being_kept():
     for _ in range((50 << 20) // chunk_size):
         action, replies = send(session, chunk)
         assert (action, replies) == (None, [])
-        largest = max(largest, len(session._data))
+        largest = max(largest, len(session._reader._data))
     # Dot-stuffing may add a third before the exact check; beyond that nothing is kept.
     assert largest <= limit * 4 // 3 + 8 + chunk_size
     # The end of data may straddle two reads even after the overflow.
@@ -1168,9 +1160,9 @@ def test_a_large_message_is_handed_on_in_pieces_and_not_kept():
                 stored += action.header + action.data
             elif isinstance(action, Write | Finish):
                 stored += action.data
-            held = max(held, len(session._data) + session.buffered)
+            held = max(held, len(session._reader._data) + session.buffered)
             action = session.resume(QUEUED if isinstance(action, Finish) else None)
-        held = max(held, len(session._data) + session.buffered)
+        held = max(held, len(session._reader._data) + session.buffered)
         out += session.take_output()
     assert bytes(stored) == content
     assert actions[0] is Stream and actions[-1] is Finish and Submit not in actions
@@ -1241,7 +1233,7 @@ def test_streamed_at_every_split_point_the_content_is_the_same(threshold):
     # The final dot, a "\r\n." to unstuff, a CRLF or a header end: split anywhere.
     content = b"Subject: split\r\n\r\n.leading dot\r\nline\r\n\r\n.\r\n..\r\nend\r\n"
     wire = b"EHLO c\r\n" + ENVELOPE + dot_stuff(content) + b".\r\nNOOP\r\nQUIT\r\n"
-    with mock.patch.object(server_session, "STREAM_PIECE", 3):
+    with mock.patch.object(data_reader, "STREAM_PIECE", 3):
         for cut in range(len(wire) + 1):
             stored, out, _ = drive_streamed(
                 make(stream_threshold=threshold), [wire[:cut], wire[cut:]]
@@ -1308,7 +1300,7 @@ def test_streamed_or_held_any_split_gives_the_same_content_and_replies(
         "bare_newline": "reject" if reject else "normalize",
     }
     held, held_out, _ = drive_streamed(make(**options), [wire])
-    with mock.patch.object(server_session, "STREAM_PIECE", piece):
+    with mock.patch.object(data_reader, "STREAM_PIECE", piece):
         streamed, out, _ = drive_streamed(make(stream_threshold=threshold, **options), chunks)
     assert out == held_out
     assert streamed == held

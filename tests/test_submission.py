@@ -11,14 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtaqueue.model import Recipient
-from mtaqueue.smtp.server_session import (
-    CheckCredentials,
-    Envelope,
-    ServerSession,
-    SessionSettings,
-    Submit,
-)
+from mtaqueue.smtp.actions import CheckCredentials
+from mtaqueue.smtp.server_session import ServerSession
+from mtaqueue.smtp.session_settings import SessionSettings
 from mtaqueue.submission import MAX_KEY_LENGTH, Received, Refused, SubmissionSettings, prepare
+from mtaqueue.transaction import Envelope, Submit
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 QID = "0123456789ABC000"

@@ -18,7 +18,7 @@ import msgspec
 from ..model import Message, Recipient
 from ..smtp import content as content_
 from ..smtp.addresses import AddressError, check_mailbox
-from ..smtp.server_session import Envelope, SessionSettings, Submit, content_limits
+from ..smtp.session_settings import SessionSettings, content_limits
 from ..submission import (
     MAX_KEY_LENGTH,
     Received,
@@ -27,6 +27,7 @@ from ..submission import (
     parse_expiry,
     prepare,
 )
+from ..transaction import Envelope, Submit
 from .compose import Part, address, compose
 from .errors import ApiError, reply_text
 

@@ -15,7 +15,7 @@ import email.utils
 import re
 from typing import NamedTuple
 
-from ..delivery.conversion import Prepared, prepare
+from ..conversion import Prepared, prepare
 from ..header_fields import header_end, split_fields
 from .canonical import RelaxedBody
 from .keys import SigningKey

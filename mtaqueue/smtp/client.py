@@ -22,7 +22,7 @@ import aiosmtplib
 from aiosmtplib import SMTPResponseException
 
 from ..config import TimeoutsConfig
-from ..delivery.conversion import Refused, prepare
+from ..conversion import Refused, prepare
 from ..logs import get_logger
 from ..model import Message, Recipient
 from ..policy.replies import COMPLETES, Reply

@@ -33,17 +33,11 @@ from ..submission import (
     prepare,
     prepare_header,
 )
+from ..transaction import Stream, Submit
+from .actions import CheckCredentials, Finish, StartTLS, Write
 from .auth import Credentials
-from .server_session import (
-    CheckCredentials,
-    Finish,
-    ServerSession,
-    SessionSettings,
-    StartTLS,
-    Stream,
-    Submit,
-    Write,
-)
+from .server_session import ServerSession
+from .session_settings import SessionSettings
 
 log = get_logger("listener")
 

@@ -1,4 +1,7 @@
-"""Make a message's content legal for one hop (pure: bytes and capabilities in, bytes out).
+"""Make a message's content legal for one hop (pure: bytes and capabilities in, bytes out):
+`prepare(content, eightbitmime=)` gives `Prepared` (the content to send, and whether it
+needs BODY=8BITMIME) or `Refused` (5.6.3). The delivery client (smtp/client.py) sends
+what it gives; DKIM signing (dkim/signer.py) signs it in the form no hop changes.
 
 SMTP carries lines of at most 998 octets (RFC 5321 4.5.3.1.6), and octets above 127 only to
 a server that offers 8BITMIME (RFC 6152), never NUL or a bare CR or LF. Mail can arrive
