@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 from loop_ticks import ticks_during
 
-from mtaqueue.control import ctl, protocol
+from mtaqueue.control import protocol
 from mtaqueue.control.commands import queue_commands
+from mtaqueue.control.ctl import main as ctl
 from mtaqueue.control.operations import operation_commands
 from mtaqueue.control.server import Command, CommandError, ControlError, ControlServer
 from mtaqueue.ids import IdGenerator
@@ -546,7 +547,7 @@ def test_client_that_stops_reading_does_not_block_others(
 
 
 def test_broken_pipe_is_quiet(big_queue: str) -> None:
-    script = "import sys; from mtaqueue.control.ctl import main; sys.exit(main())"
+    script = "import sys; from mtaqueue.control.ctl.main import main; sys.exit(main())"
     with subprocess.Popen(
         [sys.executable, "-c", script, "-s", big_queue, "list", "--json"],
         stdout=subprocess.PIPE,

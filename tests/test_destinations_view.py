@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from mtaqueue import config
-from mtaqueue.control import ctl
+from mtaqueue.control.ctl import main as ctl
 from mtaqueue.delivery.destination import Destination, DestinationsView
 from mtaqueue.model import DEFERRED, DELIVERED, QUEUED, Message, Recipient
 from mtaqueue.policy.replies import Reply
