@@ -23,6 +23,7 @@ from loop_ticks import ticks_during
 from mtaqueue.control import protocol
 from mtaqueue.control.commands import queue_commands
 from mtaqueue.control.ctl import main as ctl
+from mtaqueue.control.ctl import render
 from mtaqueue.control.operations import operation_commands
 from mtaqueue.control.server import Command, CommandError, ControlError, ControlServer
 from mtaqueue.ids import IdGenerator
@@ -279,7 +280,7 @@ def test_domains_human_shows_a_learned_rate_plainly(
     [(0, "0s"), (12.5, "12s"), (185, "3m 05s"), (7210, "2h 00m 10s"), (86400, "1d 00h 00m 00s")],
 )
 def test_durations_have_units(seconds: float, text: str) -> None:
-    assert ctl._duration(seconds) == text
+    assert render.duration(seconds) == text
 
 
 def test_list_json_contract(sock_path: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,20 +12,15 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, NoReturn, TextIO
 
-import msgspec
-
 from mtaqueue.control import protocol
-from mtaqueue.control.qshape import render as render_qshape
+from mtaqueue.control.ctl import render
 from mtaqueue.model import RECIPIENT_STATES
 
 PROG = "mtaqueue-ctl"
-
-Reply = Iterable[dict[str, Any]]
 
 
 class UsageError(Exception):
@@ -47,62 +42,12 @@ class Subcommand:
     help: str
     options: Callable[[argparse.ArgumentParser], None]
     request: Callable[[argparse.Namespace], tuple[str, dict[str, Any]]] | None
-    show: Callable[[Reply, TextIO], None] | None  # human output; --json prints the objects
+    show: Callable[[render.Reply, TextIO], None] | None  # human output; --json prints the objects
     run: Callable[[argparse.Namespace, TextIO], None] | None = None  # instead of one request
-
-
-def _time(epoch: float | None) -> str:
-    if epoch is None:
-        return "-"
-    return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
-
-
-def _duration(seconds: float) -> str:
-    """E.g. "45s", "3m 05s", "2h 00m 10s", "1d 04h 00m 00s"."""
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    days, hours = divmod(hours, 24)
-    parts = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
-    while len(parts) > 1 and parts[0][0] == 0:
-        del parts[0]
-    first, *rest = parts
-    return " ".join([f"{first[0]}{first[1]}", *(f"{n:02}{unit}" for n, unit in rest)])
-
-
-def _value(key: str, value: Any) -> str:
-    if key == "sender" and value == "":
-        return "<>"
-    if value is None or value == "" or value == []:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, list):
-        return ", ".join(map(str, value))
-    if key in ("created", "expires", "next_attempt"):
-        return _time(value)
-    if key == "uptime":
-        return _duration(value)
-    return str(value)
-
-
-# status
 
 
 def _status_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "status", {}
-
-
-def _status_show(reply: Reply, out: TextIO) -> None:
-    for status in reply:
-        rows = [("messages", status["messages"]), ("recipients", status["recipients"])]
-        rows += [(f"  {state}", n) for state, n in status["by_state"].items()]
-        rows.append(("classes", ", ".join(f"{k} {n}" for k, n in status["by_class"].items())))
-        skip = {"messages", "recipients", "by_state", "by_class"}
-        rows += [(key, value) for key, value in status.items() if key not in skip]
-        out.writelines(f"{key:<14} {_value(key, value)}\n" for key, value in rows)
-
-
-# list
 
 
 def _list_options(parser: argparse.ArgumentParser) -> None:
@@ -130,37 +75,6 @@ def _list_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "list", {k: v for k, v in filters.items() if v is not None}
 
 
-def _recipient_line(rcpt: dict[str, Any]) -> str:
-    """A recipient's line in list and review: address, state, attempts so far."""
-    line = f"    {rcpt['address']}  {rcpt['state']}"
-    if attempts := rcpt["attempts"]:
-        line += f", {attempts} attempt{'s' if attempts > 1 else ''}"
-    return line
-
-
-def _list_show(reply: Reply, out: TextIO) -> None:
-    count = size = 0
-    for msg in reply:
-        count += 1
-        size += msg["size"]
-        held = "  (held)" if msg["held"] else ""
-        out.write(
-            f"{msg['id']} {msg['size']:>9} {_time(msg['created'])} {msg['class']:<4}"
-            f" {msg['sender'] or '<>'}{held}{_held_back(msg.get('waiting'), '  ({})')}\n"
-        )
-        for rcpt in msg["recipients"]:
-            line = _recipient_line(rcpt)
-            if rcpt["next_attempt"] is not None:
-                line += f", next {_time(rcpt['next_attempt'])}"
-            if rcpt["last_reply"]:
-                line += f": {rcpt['last_reply']}"
-            out.write(line + "\n")
-    out.write(f"-- {count} messages, {size} bytes\n")
-
-
-# show
-
-
 def _show_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("id", help="queue id")
 
@@ -169,40 +83,8 @@ def _show_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "show", {"id": args.id}
 
 
-def _held_back(waiting: dict[str, Any] | None, form: str = "{}") -> str:
-    """What holds a message that looks ready (a warm-up allowance used up for the day),
-    put in `form`; "" if nothing does."""
-    if not waiting:
-        return ""
-    text = f"waiting for the warm-up allowance at {waiting['destination']}"
-    return form.format(f"{text} until {_time(waiting['until'])}")
-
-
-def _show_show(reply: Reply, out: TextIO) -> None:
-    for msg in reply:
-        for key, value in msg.items():
-            if key == "waiting":
-                out.write(f"{key:<16} {_held_back(value) or '-'}\n")
-            elif key != "recipients":
-                out.write(f"{key:<16} {_value(key, value)}\n")
-        for rcpt in msg["recipients"]:
-            out.write(f"recipient        {rcpt['address']}\n")
-            for key, value in rcpt.items():
-                if key not in ("address", "history"):
-                    out.write(f"  {key:<14} {_value(key, value)}\n")
-            for attempt in rcpt.get("history", []):
-                mx = f" via {attempt['mx']}" if attempt["mx"] else ""
-                out.write(
-                    f"  attempt        {_time(attempt['time'])} {attempt['outcome']}{mx}:"
-                    f" {attempt['reply']}\n"
-                )
-
-
 def _no_options(parser: argparse.ArgumentParser) -> None:
     pass
-
-
-# review
 
 
 def _review_options(parser: argparse.ArgumentParser) -> None:
@@ -211,35 +93,6 @@ def _review_options(parser: argparse.ArgumentParser) -> None:
 
 def _review_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "review", {"class": args.klass} if args.klass else {}
-
-
-REVIEW_REASONS = {
-    "expired": "expired (held for review)",
-    "revalidation": "the application could not be asked",
-    "error": "an error of ours (see the log)",
-}
-
-
-def _review_show(reply: Reply, out: TextIO) -> None:
-    count = 0
-    longest = 0.0
-    for msg in reply:
-        count += 1
-        longest = max(longest, msg["waiting"])
-        reason = REVIEW_REASONS.get(msg["reason"], msg["reason"])
-        out.write(
-            f"{msg['id']} {msg['class']:<4} {msg['sender'] or '<>'}  age {_duration(msg['age'])},"
-            f" in review {_duration(msg['waiting'])}: {reason}\n"
-        )
-        for rcpt in msg["recipients"]:
-            line = _recipient_line(rcpt)
-            if rcpt["cause"]:
-                line += f", cause {rcpt['cause']}"
-            if rcpt["last_reply"]:
-                line += f": {rcpt['last_reply']}"
-            out.write(line + "\n")
-    tail = f", the longest {_duration(longest)}" if count else ""
-    out.write(f"-- {count} message{'s' if count != 1 else ''} in review{tail}\n")
 
 
 def _suppress_options(parser: argparse.ArgumentParser) -> None:
@@ -268,14 +121,6 @@ def _suppress_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if args.action == "add":
         return "suppress_add", {"address": args.address, "for": args.ttl, "reason": args.reason}
     return "suppress_remove", {"address": args.address}
-
-
-def _suppress_show(reply: Reply, out: TextIO) -> None:
-    for entry in reply:
-        if entry.get("removed"):
-            out.write(f"{entry['address']}: no longer suppressed\n")
-        else:
-            out.write(f"{entry['address']:<40} until {_time(entry['until'])}  {entry['reason']}\n")
 
 
 def _select_options(parser: argparse.ArgumentParser) -> None:
@@ -308,97 +153,6 @@ def _select_request(command: str) -> Callable[[argparse.Namespace], tuple[str, d
     return request
 
 
-def _count_show(reply: Reply, out: TextIO) -> None:
-    for result in reply:
-        for verb, count in result.items():
-            out.write(f"{verb} {count} message{'s' if count != 1 else ''}\n")
-
-
-def _counts(counts: dict[str, int] | None) -> str:
-    return ", ".join(f"{k} {n}" for k, n in (counts or {}).items() if n) or "none"
-
-
-def _per_minute(rate: float) -> str:
-    # A tenth is enough for people (a learned rate has many digits), and no exponent.
-    return f"{round(rate, 1):g}/min" if rate else "unlimited"
-
-
-def _warmup(w: dict) -> str:
-    if w["allowance"] is None:
-        return f"done after {w['steps']} steps (no limit), sent today {w['sent_today']}"
-    held = f", held (deferral rate {w['last_rate']:.0%})" if w["held"] else ""
-    return (
-        f"step {w['step']}/{w['steps']}{held}: sent today {w['sent_today']}"
-        f" of {w['allowance']}, deferred {w['deferred_today']}"
-    )
-
-
-def _domains_show(reply: Reply, out: TextIO) -> None:
-    for d in reply:
-        out.write(f"{d['destination']}  ({', '.join(d.get('domains', []))})\n")
-        if d.get("relay"):
-            out.write(f"  relay       smarthost of {d['relay']}\n")
-        if d.get("source"):
-            out.write(f"  source      {d['source']}\n")
-        if d.get("source_excluded_until"):
-            until = _time(d["source_excluded_until"])
-            out.write(f"  excluded    until {until} (a blocklist reply; the pool's others go on)\n")
-        if d.get("ipv4_only"):
-            out.write("  families    IPv4 only (it refused our IPv6)\n")
-        if d.get("warmup"):
-            out.write(f"  warm-up     {_warmup(d['warmup'])}\n")
-        out.write(f"  queued      {_counts(d.get('queued'))}   (messages ready to go)\n")
-        out.write(f"  deferred    {_counts(d.get('deferred'))}   (messages waiting to retry)\n")
-        if not d.get("routed", True):
-            out.write("  state       none: not routed since the start\n")
-        else:
-            out.write(f"  connections {d.get('active')} active / limit {d.get('limit')}\n")
-            out.write(
-                f"  rates       {_per_minute(d.get('messages_per_minute', 0))} messages,"
-                f" {_per_minute(d.get('connections_per_minute', 0))} connections\n"
-            )
-            if override := d.get("override"):
-                limits = []
-                if override.get("rate_per_minute") is not None:
-                    limits.append(f"rate {_per_minute(override['rate_per_minute'])}")
-                if override.get("concurrency") is not None:
-                    limits.append(f"concurrency {override['concurrency']}")
-                if override.get("until"):
-                    limits.append(f"until {_time(override['until'])}")
-                out.write(f"  override    {', '.join(limits)}\n")
-            if learned := d.get("learned"):
-                _learned_show(learned, out)
-            circuit = d.get("circuit")
-            if circuit == "open" and d.get("reopen_at"):
-                circuit += f" until {_time(d['reopen_at'])}"
-            mode = d.get("mode")
-            if d.get("stage"):
-                mode = f"{mode} (stage {d['stage']})"
-            out.write(f"  mode        {mode}   circuit {circuit}\n")
-            for host, until in d.get("suspended_hosts", {}).items():
-                out.write(f"  suspended   {host} until {_time(until)}\n")
-            out.write(f"  4xx rate    {d.get('deferral_rate') or 0:.0%} (last 10 minutes)\n")
-        for line in d.get("last_replies", []):
-            out.write(f"  last        {line}\n")
-
-
-def _learned_show(learned: dict, out: TextIO) -> None:
-    """What the destination taught: its rate and connection cap, and by which reply."""
-    phase = learned.get("phase", "")
-    if learned.get("paused_until"):
-        phase = f"paused until {_time(learned['paused_until'])}"
-    # Slow start probes too; the probing phase needs no second word for it.
-    probing = ", probing" if learned.get("probing") and phase != "probing" else ""
-    out.write(f"  learned     rate {_per_minute(learned['rate_per_minute'])} ({phase}{probing})")
-    if learned.get("good_per_minute"):
-        out.write(f", it took {_per_minute(learned['good_per_minute'])}")
-    out.write("\n")
-    out.write(f"    taught by {learned.get('rate_reply') or 'nothing yet (slow start)'}\n")
-    if learned.get("concurrency"):
-        out.write(f"  learned     at most {learned['concurrency']} connections\n")
-        out.write(f"    taught by {learned.get('concurrency_reply')}\n")
-
-
 def _qshape_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--by", choices=("domain", "sender", "tenant"), default="domain")
     parser.add_argument("--class", dest="klass", metavar="CLASS")
@@ -409,30 +163,12 @@ def _qshape_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "qshape", {"by": args.by, "class": args.klass, "top": args.top}
 
 
-def _qshape_show(reply: Reply, out: TextIO) -> None:
-    out.write(render_qshape(list(reply)))
-
-
 def _domains_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "domains", {}
 
 
 def _webhooks_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "webhooks", {}
-
-
-def _webhooks_show(reply: Reply, out: TextIO) -> None:
-    rows = list(reply)
-    if not rows:
-        out.write("no webhooks configured\n")
-    for w in rows:
-        age = w.get("oldest_age")
-        waiting = f", oldest {age:.0f} s old" if age is not None else ""
-        out.write(f"{w['name']}  {w['url']}\n")
-        out.write(f"  backlog  {w['backlog']} events{waiting}\n")
-        out.write(f"  sent     {w['sent']}, dropped (too old) {w['dropped']}\n")
-        if w.get("failures"):
-            out.write(f"  failing  {w['failures']} times in a row: {w['last_error']}\n")
 
 
 def _limit_options(parser: argparse.ArgumentParser) -> None:
@@ -468,12 +204,6 @@ def _forget_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "forget", {"domain": args.domain}
 
 
-def _steer_show(reply: Reply, out: TextIO) -> None:
-    for result in reply:
-        until = f" until {_time(result['until'])}" if result.get("until") else ""
-        out.write(f"applied to {result['destinations']} destination(s){until}\n")
-
-
 def _dkim_options(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = actions.add_parser(
@@ -492,7 +222,7 @@ def _dkim(args: argparse.Namespace, out: TextIO) -> None:
         rows = dkim_check.check_domain(_config(args), args.domain)
     except (dkim_check.NoKey, ConfigError) as exc:  # ConfigError: an unreadable key file
         raise Failure(str(exc)) from None
-    (_print_json if args.json else dkim_check.show)(rows, out)
+    (render.print_json if args.json else dkim_check.show)(rows, out)
     out.flush()
     bad = [row for row in rows if row["status"] != "ok"]
     if bad:
@@ -526,15 +256,6 @@ def _warmup_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return f"warmup_{args.action}", {"source": args.source, "destination": args.destination}
 
 
-def _warmup_show(reply: Reply, out: TextIO) -> None:
-    count = 0
-    for ramp in reply:
-        count += 1
-        out.write(f"{ramp['source']} at {ramp['destination']}: {_warmup(ramp)}\n")
-    if not count:
-        out.write("no warm-up ramp (no warming source has mail for a destination yet)\n")
-
-
 def _tls_report_options(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     help = "send the TLS reports of the days that have ended now, without waiting for their time"
@@ -545,17 +266,6 @@ def _tls_report_options(parser: argparse.ArgumentParser) -> None:
 
 def _tls_report_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "tls_report_send", {"today": args.today}
-
-
-def _tls_report_show(reply: Reply, out: TextIO) -> None:
-    count = 0
-    for sent in reply:
-        count += 1
-        rua = f" to {', '.join(sent['rua'])}" if sent.get("rua") else ""
-        errors = "".join(f"\n  {uri}: {why}" for uri, why in sent.get("errors", {}).items())
-        out.write(f"{sent['domain']} {sent['day']}{rua}: {sent['result']}{errors}\n")
-    if not count:
-        out.write("no TLS report due\n")
 
 
 def _top_options(parser: argparse.ArgumentParser) -> None:
@@ -584,7 +294,7 @@ def _top(args: argparse.Namespace, out: TextIO) -> None:
         if out.isatty():
             out.write("\033[H\033[2J")  # home and clear
         out.write(
-            f"mtaqueue {status.get('version', '')}  {_time(time.time())}  "
+            f"mtaqueue {status.get('version', '')}  {render.time(time.time())}  "
             f"messages {status.get('messages', 0)}  "
             f"by state {status.get('by_state', {})}\n\n"
         )
@@ -605,72 +315,84 @@ def _top(args: argparse.Namespace, out: TextIO) -> None:
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
-    "status": Subcommand("counts and daemon info", _no_options, _status_request, _status_show),
-    "list": Subcommand("one entry per queued message", _list_options, _list_request, _list_show),
-    "show": Subcommand("every field of one message", _show_options, _show_request, _show_show),
+    "status": Subcommand(
+        "counts and daemon info", _no_options, _status_request, render.show_status
+    ),
+    "list": Subcommand(
+        "one entry per queued message", _list_options, _list_request, render.show_list
+    ),
+    "show": Subcommand(
+        "every field of one message", _show_options, _show_request, render.show_message
+    ),
     "review": Subcommand(
         "mail held for someone's decision (at expiry...), longest waiting first",
         _review_options,
         _review_request,
-        _review_show,
+        render.show_review,
     ),
     "hold": Subcommand(
         "keep messages from delivery (and expiry)",
         _select_options,
         _select_request("hold"),
-        _count_show,
+        render.show_affected,
     ),
     "release": Subcommand(
-        "resume held messages", _select_options, _select_request("release"), _count_show
+        "resume held messages", _select_options, _select_request("release"), render.show_affected
     ),
     "flush": Subcommand(
         "make deferred messages due now (pacing still applies)",
         _select_options,
         _select_request("flush"),
-        _count_show,
+        render.show_affected,
     ),
     "qshape": Subcommand(
         "queue by domain and age (minutes), like Postfix's qshape",
         _qshape_options,
         _qshape_request,
-        _qshape_show,
+        render.show_qshape,
     ),
     "requeue": Subcommand(
         "look the domains up again and retry now (pacing still applies)",
         _select_options,
         _select_request("requeue"),
-        _count_show,
+        render.show_affected,
     ),
     "delete": Subcommand(
-        "remove messages without notice", _select_options, _select_request("delete"), _count_show
+        "remove messages without notice",
+        _select_options,
+        _select_request("delete"),
+        render.show_affected,
     ),
     "bounce": Subcommand(
         "fail messages now, with a DSN to the sender",
         _select_options,
         _select_request("bounce"),
-        _count_show,
+        render.show_affected,
     ),
     "top": Subcommand("live view of the busiest destinations", _top_options, None, None, _top),
     "domains": Subcommand(
-        "state of each destination", _no_options, _domains_request, _domains_show
+        "state of each destination", _no_options, _domains_request, render.show_domains
     ),
     "webhooks": Subcommand(
         "each webhook endpoint: its backlog, failures and last error",
         _no_options,
         _webhooks_request,
-        _webhooks_show,
+        render.show_webhooks,
     ),
     "limit": Subcommand(
-        "runtime rate/concurrency for a destination", _limit_options, _limit_request, _steer_show
+        "runtime rate/concurrency for a destination",
+        _limit_options,
+        _limit_request,
+        render.show_steered,
     ),
     "backoff": Subcommand(
-        "put a destination in backoff mode", _backoff_options, _backoff_request, _steer_show
+        "put a destination in backoff mode", _backoff_options, _backoff_request, render.show_steered
     ),
     "forget": Subcommand(
         "learn a destination's rate and connection cap anew (slow start)",
         _forget_options,
         _forget_request,
-        _steer_show,
+        render.show_steered,
     ),
     "dkim": Subcommand(
         "DKIM keys: check DOMAIN prints the DNS records to publish and checks the DNS",
@@ -683,19 +405,19 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "warm-up ramps of pool sources: show, restart (from the first step), finish (warm)",
         _warmup_options,
         _warmup_request,
-        _warmup_show,
+        render.show_warmup,
     ),
     "tls-report": Subcommand(
         "TLS-RPT (RFC 8460): send the reports due now",
         _tls_report_options,
         _tls_report_request,
-        _tls_report_show,
+        render.show_tls_reports,
     ),
     "suppress": Subcommand(
         "the suppression list (list, add, remove)",
         _suppress_options,
         _suppress_request,
-        _suppress_show,
+        render.show_suppressions,
     ),
 }
 
@@ -752,11 +474,6 @@ def _connect(path: str) -> socket.socket:
         raise Failure(f"cannot connect to {path}: {exc.strerror or exc}{hint}") from None
 
 
-def _print_json(reply: Reply, out: TextIO) -> None:
-    encode = msgspec.json.encode
-    out.writelines(encode(obj).decode() + "\n" for obj in reply)
-
-
 def _run(args: argparse.Namespace, out: TextIO) -> None:
     sub = SUBCOMMANDS[args.command]
     if sub.run is not None:
@@ -767,7 +484,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> None:
         return
     assert sub.request is not None and sub.show is not None
     cmd, cmd_args = sub.request(args)
-    printer = _print_json if args.json else sub.show
+    printer = render.print_json if args.json else sub.show
     with _connect(_socket_path(args)) as sock:
         try:
             printer(protocol.request(sock, cmd, cmd_args), out)
