@@ -1,11 +1,11 @@
 """How `mtaqueue-ctl` prints the daemon's replies: for people, or as JSON Lines.
 
-API: one `show_*(reply, out)` per kind of reply writes its objects as text, as they arrive:
+API: one `show_*(reply, out)` per kind of reply writes its objects as text for people:
 `show_status`, `show_list`, `show_message`, `show_review`, `show_affected` (what hold,
 flush, ... did), `show_domains`, `show_webhooks`, `show_steered` (limit, backoff, forget),
 `show_warmup`, `show_tls_reports`, `show_suppressions`, `show_qshape`. `print_json` writes
-any reply as JSON Lines (--json). `time` (an epoch) and `duration` (seconds) are written
-the same way everywhere. `Reply` is what they take: the reply's data objects.
+any reply as JSON Lines (--json), an object as it arrives. `time(epoch)` and
+`duration(seconds)` are how every table writes those. `Reply`: a reply's data objects.
 """
 
 from __future__ import annotations
