@@ -53,20 +53,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace, out: TextIO) -> None:
     sub = SUBCOMMANDS[args.command]
-    if sub.run is not None:
-        try:
+    try:
+        if sub.run is not None:
             sub.run(args, out)
-        except (protocol.RemoteError, protocol.ProtocolError) as exc:
-            raise client.Failure(str(exc)) from None
-        return
-    assert sub.request is not None and sub.show is not None
-    cmd, cmd_args = sub.request(args)
-    printer = render.print_json if args.json else sub.show
-    with client.connect(client.socket_path(args)) as sock:
-        try:
+            return
+        assert sub.request is not None and sub.show is not None
+        cmd, cmd_args = sub.request(args)
+        printer = render.print_json if args.json else sub.show
+        with client.connect(client.socket_path(args)) as sock:
             printer(protocol.request(sock, cmd, cmd_args), out)
-        except (protocol.RemoteError, protocol.ProtocolError) as exc:
-            raise client.Failure(str(exc)) from None
+    except (protocol.RemoteError, protocol.ProtocolError) as exc:
+        raise client.Failure(str(exc)) from None
     out.flush()
 
 
