@@ -134,7 +134,7 @@ class Mtaqueue:
 
     def queued(self) -> int:
         out = subprocess.run(
-            [sys.executable, "-m", "mtaqueue.control.ctl", "-s",
+            [sys.executable, "-m", "mtaqueue.control.ctl.main", "-s",
              str(self.spool / "control.sock"), "status", "--json"],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip

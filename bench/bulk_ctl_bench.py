@@ -77,7 +77,7 @@ def run_command(mq: Mtaqueue, settle: float, *args: str) -> tuple[float, float, 
         sampler.start()
         started = time.monotonic()
         out = subprocess.run(
-            [sys.executable, "-m", "mtaqueue.control.ctl", "-s",
+            [sys.executable, "-m", "mtaqueue.control.ctl.main", "-s",
              str(mq.spool / "control.sock"), *args, "--json"],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip

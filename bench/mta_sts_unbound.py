@@ -277,7 +277,7 @@ class Bench:
     def listed_reason(self, mq: Mtaqueue, domain: str) -> str:
         """`mtaqueue-ctl list --domain` (JSON): the recipient's state and last reply."""
         out = subprocess.run(
-            [sys.executable, "-m", "mtaqueue.control.ctl", "-s",
+            [sys.executable, "-m", "mtaqueue.control.ctl.main", "-s",
              str(mq_spool(mq) / "control.sock"), "list", "--domain", domain, "--json"],
             capture_output=True, text=True, check=True, env=tree_env(),
         ).stdout  # fmt: skip
@@ -490,7 +490,7 @@ def ctl_dkim(config: Path) -> tuple[int, str, dict]:
 
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "mtaqueue.control.ctl", "-c", str(config),
+            [sys.executable, "-m", "mtaqueue.control.ctl.main", "-c", str(config),
              "dkim", "check", DKIM_DOMAIN, *extra],
             capture_output=True, text=True, check=False, env=tree_env(),
         )  # fmt: skip

@@ -189,8 +189,8 @@ class Mtaqueue:
     def ctl(self, *args: str) -> str:
         """`mtaqueue-ctl ARGS` (this tree's) on the daemon's control socket: its output."""
         return subprocess.run(
-            [sys.executable, "-m", "mtaqueue.control.ctl", "-s", str(self.spool / "control.sock"),
-             *args],
+            [sys.executable, "-m", "mtaqueue.control.ctl.main",
+             "-s", str(self.spool / "control.sock"), *args],
             capture_output=True, text=True, check=True, timeout=60, env=self.env,
         ).stdout  # fmt: skip
 

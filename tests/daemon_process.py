@@ -135,7 +135,7 @@ class DaemonProcess:
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "mtaqueue.control.ctl", "-s", str(self.socket), *args],
+            [sys.executable, "-m", "mtaqueue.control.ctl.main", "-s", str(self.socket), *args],
             capture_output=True,
             text=True,
             timeout=60,

@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 from loop_ticks import ticks_during
 
-from mtaqueue.control import ctl, protocol
+from mtaqueue.control import protocol
 from mtaqueue.control.commands import queue_commands
+from mtaqueue.control.ctl import main as ctl
+from mtaqueue.control.ctl import render
 from mtaqueue.control.operations import operation_commands
 from mtaqueue.control.server import Command, CommandError, ControlError, ControlServer
 from mtaqueue.ids import IdGenerator
@@ -278,7 +280,7 @@ def test_domains_human_shows_a_learned_rate_plainly(
     [(0, "0s"), (12.5, "12s"), (185, "3m 05s"), (7210, "2h 00m 10s"), (86400, "1d 00h 00m 00s")],
 )
 def test_durations_have_units(seconds: float, text: str) -> None:
-    assert ctl._duration(seconds) == text
+    assert render.duration(seconds) == text
 
 
 def test_list_json_contract(sock_path: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -546,7 +548,7 @@ def test_client_that_stops_reading_does_not_block_others(
 
 
 def test_broken_pipe_is_quiet(big_queue: str) -> None:
-    script = "import sys; from mtaqueue.control.ctl import main; sys.exit(main())"
+    script = "import sys; from mtaqueue.control.ctl.main import main; sys.exit(main())"
     with subprocess.Popen(
         [sys.executable, "-c", script, "-s", big_queue, "list", "--json"],
         stdout=subprocess.PIPE,

@@ -14,7 +14,7 @@ from daemon_process import DaemonProcess
 
 from mtaqueue import config
 from mtaqueue.config import loading
-from mtaqueue.control import ctl
+from mtaqueue.control.ctl import main as ctl
 from mtaqueue.daemon import main as daemon_main
 
 
@@ -54,7 +54,7 @@ def test_daemon_and_ctl_both_read_mtaqueue_config(tmp_path):
         daemon.start()
         queue_id = daemon.send("a@sender.test", ["b@rcpt.test"], b"Subject: x\r\n\r\nx\r\n")
         result = subprocess.run(
-            [sys.executable, "-m", "mtaqueue.control.ctl", "list", "--json"],  # no -c, no -s
+            [sys.executable, "-m", "mtaqueue.control.ctl.main", "list", "--json"],  # no -c, no -s
             capture_output=True,
             text=True,
             timeout=60,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from mtaqueue import config
-from mtaqueue.control import ctl
+from mtaqueue.control.ctl import render
 from mtaqueue.delivery.destination import Destination, DestinationsView
 from mtaqueue.model import DEFERRED, DELIVERED, QUEUED, Message, Recipient
 from mtaqueue.policy.replies import Reply
@@ -97,13 +97,13 @@ def test_text_shows_waiting_mail_rates_and_suspended_hosts():
         "last_replies": ["451 4.7.1 greylisted"],
     }
     out = io.StringIO()
-    ctl._domains_show([entry, unrouted], out)
+    render.show_domains([entry, unrouted], out)
     text = out.getvalue()
     assert "mx.provider.test  (example.org)\n" in text
     assert "  deferred    p1 1   (messages waiting to retry)\n" in text
     assert "  queued      none   (messages ready to go)\n" in text
     assert "  rates       120/min messages, unlimited connections\n" in text
-    assert f"  suspended   mx.provider.test until {ctl._time(NOW + 3600)}\n" in text
+    assert f"  suspended   mx.provider.test until {render.time(NOW + 3600)}\n" in text
     assert "mx.elsewhere.test" not in text  # another destination's host
     assert "  mode        normal   circuit closed\n" in text
     assert "other.test  (other.test)\n  queued      none" in text

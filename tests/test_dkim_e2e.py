@@ -221,7 +221,15 @@ def ctl_check(world: World, domain: str, *args: str, keys=KEYS):
     config.write_text(
         dkim_config(world.tmp_path, keys, extra=f'[dns]\nnameservers = ["{world.dns.address}"]\n')
     )
-    command = [sys.executable, "-m", "mtaqueue.control.ctl", "-c", str(config), "dkim", "check"]
+    command = [
+        sys.executable,
+        "-m",
+        "mtaqueue.control.ctl.main",
+        "-c",
+        str(config),
+        "dkim",
+        "check",
+    ]
     return subprocess.run([*command, domain, *args], capture_output=True, text=True, timeout=60)
 
 
