@@ -134,7 +134,9 @@ class Daemon:
         )
         self.delivery = DeliveryManager(cfg, self.spool, self.resolver, self.hostname)
         self.alerts = Alerts(cfg.alerts.rules)
-        self.events = Dispatcher(self.spool.layout.events, lambda: self.spool.last_event)
+        self.events = Dispatcher(
+            event_log.EventLog(self.spool.layout.events), lambda: self.spool.last_event
+        )
         self.spool.on_events = self.events.wake
         self.metrics = Metrics(
             Sources(
