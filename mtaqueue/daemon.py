@@ -1,6 +1,10 @@
 """The `mtaqueue` daemon: wires config, spool, listener and control together.
 
-    mtaqueue [-c FILE] [-o SECTION.KEY=VALUE ...]
+    mtaqueue [-c FILE] [-o SECTION.KEY=VALUE ...]      # main(argv) -> exit status
+    Daemon(cfg, reload, path): await run(), reload() (SIGHUP), info()
+
+What the listener and the API take from the config is built in intake_settings.py; the
+start-up sweep, the free-space watch and the watchdog's health in spool_upkeep.py.
 
 Start order: recover the spool (queue state from the journal, read by the
 daemon and by the spool writer it starts, side by side), bind the listener,
@@ -14,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import os
 import signal
 import socket
-import ssl
 import sys
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -28,7 +30,7 @@ import uvloop
 from . import __version__, config
 from .alerts import Alerts
 from .api.server import Api, ApiDeps
-from .api.tokens import Tokens, load_tokens
+from .api.tokens import Tokens
 from .control.commands import queue_commands
 from .control.operations import operation_commands
 from .control.server import ControlServer
@@ -40,27 +42,24 @@ from .dkim.signer import Signer
 from .events import derive
 from .events.dispatch import Dispatcher
 from .http_server import HttpServer
+from .intake_settings import api_tokens, credentials, listener_settings, tls_context
 from .logs import configure_logging, get_logger
 from .metrics import Metrics, Sources
 from .metrics import serve as serve_metrics
-from .policy.fairness import class_order
 from .routing.resolver import Resolver
 from .sdnotify import Notifier
 from .smtp.addresses import qualified_hostname
-from .smtp.auth import Credentials, hash_password, load_auth_file
-from .smtp.listener import Listener, ListenerSettings
-from .smtp.session_settings import SessionSettings
+from .smtp.auth import hash_password
+from .smtp.listener import Listener
 from .spool import event_log
-from .spool.store import RecoveryReport, Spool, SpoolLocked, StorageError
-from .spool.sweep import sweep
-from .submission import SubmissionSettings
+from .spool.errors import SpoolLocked, StorageError
+from .spool.store import Spool
+from .spool_upkeep import SpoolUpkeep
 
 log = get_logger("daemon")
 
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
-ADOPT_CHUNK = 1000  # messages re-adopted per batch of the sweep
-DETAIL_MAX = 20  # ids and damage lines listed in spool_damaged (the counts are complete)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,9 +111,9 @@ class Daemon:
         self.hostname = cfg.listen.hostname or socket.getfqdn()
         # Everything that can fail on bad settings is built here, before any I/O.
         self.listener_settings = listener_settings(cfg, self.hostname)
-        self.tls = _tls_context(cfg)
-        self.credentials = _credentials(cfg)
-        self.api_tokens, self.api_token_warnings = _api_tokens(cfg)
+        self.tls = tls_context(cfg)
+        self.credentials = credentials(cfg)
+        self.api_tokens, self.api_token_warnings = api_tokens(cfg)
         # The key files are read here, and again at each SIGHUP (new keys then).
         self.signing = SigningService(Signer(load_keys(cfg.dkim)))
         self.spool = Spool(
@@ -134,7 +133,9 @@ class Daemon:
         )
         self.delivery = DeliveryManager(cfg, self.spool, self.resolver, self.hostname)
         self.alerts = Alerts(cfg.alerts.rules)
-        self.events = Dispatcher(self.spool.layout.events, lambda: self.spool.last_event)
+        self.events = Dispatcher(
+            event_log.EventLog(self.spool.layout.events), lambda: self.spool.last_event
+        )
         self.spool.on_events = self.events.wake
         self.metrics = Metrics(
             Sources(
@@ -154,10 +155,9 @@ class Daemon:
         self.delivery.on_connect = self.metrics.observe_connect
         self.delivery.sign_notice = self.signing.sign_now
         self.started = time.time()
+        self.upkeep = SpoolUpkeep(self.spool, self.started)
         self._stop = asyncio.Event()
-        self._stall_limit = 0.0  # seconds without a commit while work waits: unhealthy
         self.api: Api | None = None  # while the API is served
-        self._was_healthy = True
 
     def _suppressed(self, address: str) -> str | None:
         """The RCPT TO refusal for a suppressed address (the listener's check)."""
@@ -235,16 +235,16 @@ class Daemon:
         log.info("ready", listen=listener.addresses, version=__version__, pid=os.getpid())
         notifier = Notifier()
         if notifier.watchdog_interval is not None:
-            self._stall_limit = 2 * notifier.watchdog_interval  # WatchdogSec
+            self.upkeep.stall_limit = 2 * notifier.watchdog_interval  # WatchdogSec
         notifier.send(
             "READY=1",
             f"STATUS=accepting on {', '.join(listener.addresses)};"
             f" {len(self.spool.messages)} messages queued",
             f"MAINPID={os.getpid()}",
         )
-        watchdog = asyncio.create_task(notifier.watchdog(self._healthy))
-        sweep = asyncio.create_task(self._sweep(report))
-        free_space = asyncio.create_task(self._watch_free_space())
+        watchdog = asyncio.create_task(notifier.watchdog(self.upkeep.healthy))
+        sweep = asyncio.create_task(self.upkeep.sweep(report))
+        free_space = asyncio.create_task(self.upkeep.watch_free_space())
         alerting = asyncio.create_task(self._evaluate_alerts())
         await self._stop.wait()
 
@@ -281,7 +281,7 @@ class Daemon:
         try:
             new = self._load()
             settings = listener_settings(new, self.hostname)
-            tokens, token_warnings = _api_tokens(new)
+            tokens, token_warnings = api_tokens(new)
             signer = Signer(load_keys(new.dkim))
             self._configure_events(new)
             self.delivery.reconfigure(new)
@@ -390,17 +390,6 @@ class Daemon:
         for event in events:
             log.warning(event.pop("event"), **event)
 
-    def _healthy(self) -> bool:
-        """For the systemd watchdog: false once the spool has made no progress for a
-        whole WatchdogSec while work waits (a wedged or dead writer), so that systemd
-        restarts us instead of a daemon that answers but never commits."""
-        stalled = self.spool.stalled_for(time.monotonic())
-        healthy = stalled < self._stall_limit
-        if not healthy and self._was_healthy:
-            log.error("spool_stalled", seconds=round(stalled, 1))
-        self._was_healthy = healthy
-        return healthy
-
     def info(self) -> dict:
         listener = getattr(self, "listener", None)
         return {
@@ -414,131 +403,6 @@ class Daemon:
             "accepting": self.spool.storage_ok,
             "journal_bytes": self.spool.journal_bytes(),
         }
-
-    async def _sweep(self, recovered: RecoveryReport) -> None:
-        loop = asyncio.get_running_loop()
-        known = set(self.spool.messages)
-        try:
-            report = await loop.run_in_executor(
-                None, sweep, self.spool.layout, known, recovered.deleted, self.started
-            )
-        except OSError as exc:  # the next start sweeps again
-            log.error("spool_sweep_failed", error=str(exc))
-            return
-        changes = [
-            self.spool.remove(queue_id, f"quarantined: {problem}")
-            for queue_id, problem in report.quarantined
-            if queue_id in self.spool.messages
-        ]
-        missing = [queue_id for queue_id in report.missing if queue_id in self.spool.messages]
-        changes += [self.spool.remove(queue_id, "message file missing") for queue_id in missing]
-        adopted = 0
-        for start in range(0, len(report.adopt), ADOPT_CHUNK):
-            chunk = report.adopt[start : start + ADOPT_CHUNK]
-            results = await asyncio.gather(*map(self.spool.adopt, chunk), return_exceptions=True)
-            adopted += sum(not isinstance(result, BaseException) for result in results)
-        await asyncio.gather(*changes, return_exceptions=True)
-        log.info(
-            "spool_swept",
-            files=report.files,
-            adopted=adopted,
-            temp_removed=report.temp_removed,
-            quarantined=len(report.quarantined),
-            missing=len(missing),
-        )
-        if recovered.skipped_frames or report.adopt or report.quarantined or missing:
-            # One event for the operator, with what was found and what became of it.
-            log.error(
-                "spool_damaged",
-                frames_skipped=recovered.skipped_frames,
-                bytes_skipped=recovered.skipped_bytes,
-                journal_missing=recovered.journal_segments == 0
-                and report.files > report.temp_removed,
-                messages_readopted=adopted,
-                readopt_failed=len(report.adopt) - adopted,
-                files_quarantined=len(report.quarantined),
-                files_missing=len(missing),
-                damage=recovered.damage[:DETAIL_MAX],
-                quarantined=[f"{i}: {problem}" for i, problem in report.quarantined][:DETAIL_MAX],
-                missing=missing[:DETAIL_MAX],
-            )
-
-    async def _watch_free_space(self) -> None:
-        # Commits refresh it too; this catches a disk filled by someone else.
-        while True:
-            await asyncio.sleep(2.0)
-            was_ok = self.spool.disk_ok
-            self.spool.refresh_free_space()
-            if was_ok != self.spool.disk_ok:
-                event = "spool_space_ok" if self.spool.disk_ok else "spool_space_low"
-                log.warning(event, free_bytes=self.spool.free_bytes)
-
-
-def listener_settings(cfg: config.Config, hostname: str) -> ListenerSettings:
-    host, port = config.split_host_port(cfg.listen.address, min_port=0)
-    exceptions = [
-        n
-        for entry in cfg.listen.client_limit_exceptions
-        for n in (cfg.listen.mynetworks if entry == "mynetworks" else [entry])
-    ]
-    return ListenerSettings(
-        host=host,
-        port=port,
-        mynetworks=tuple(ipaddress.ip_network(n, strict=False) for n in cfg.listen.mynetworks),
-        max_connections=cfg.listen.max_connections,
-        max_connections_per_client=cfg.listen.max_connections_per_client,
-        client_limit_exceptions=tuple(ipaddress.ip_network(n, strict=False) for n in exceptions),
-        command_timeout=cfg.listen.command_timeout,
-        data_timeout=cfg.listen.data_timeout,
-        min_data_rate=cfg.listen.min_data_rate,
-        session=SessionSettings(
-            hostname=hostname,
-            max_message_size=cfg.listen.max_message_size,
-            max_recipients=cfg.listen.max_recipients,
-            bare_newline=cfg.listen.bare_newline,
-            max_line_length=cfg.listen.max_line_length,
-            stream_threshold=cfg.spool.stream_threshold,
-            tls_available=bool(cfg.listen.tls_cert),
-            auth_available=bool(cfg.listen.auth_file),
-            auth_required=cfg.listen.auth_required,
-        ),
-        submission=SubmissionSettings(
-            hostname=hostname,
-            classes=tuple(class_order({n: c.priority for n, c in cfg.classes.items()})),
-            default_class=cfg.submission.default_class,
-            tenant_header=cfg.submission.tenant_header.lower().encode(),
-        ),
-    )
-
-
-def _tls_context(cfg: config.Config) -> ssl.SSLContext | None:
-    if not cfg.listen.tls_cert:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(cfg.listen.tls_cert, cfg.listen.tls_key)
-    except (OSError, ssl.SSLError) as exc:
-        raise config.ConfigError(f"listen.tls_cert: cannot load certificate/key: {exc}") from None
-    return context
-
-
-def _api_tokens(cfg: config.Config) -> tuple[Tokens | None, list[str]]:
-    """The API's tokens and warnings about their file; None while the API is off."""
-    if not cfg.api.address:
-        return None, []
-    try:
-        return load_tokens(cfg.api.tokens_file)
-    except (OSError, ValueError) as exc:
-        raise config.ConfigError(f"api.tokens_file: {exc}") from None
-
-
-def _credentials(cfg: config.Config) -> Credentials | None:
-    if not cfg.listen.auth_file:
-        return None
-    try:
-        return Credentials(load_auth_file(cfg.listen.auth_file))
-    except (OSError, ValueError) as exc:
-        raise config.ConfigError(f"listen.auth_file: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from mtaqueue.config import (
     parse_size,
     split_host_port,
 )
-from mtaqueue.daemon import listener_settings
+from mtaqueue.intake_settings import listener_settings
 
 SHIPPED = Path(__file__).resolve().parent.parent / "conf" / "mtaqueue.toml"
 

@@ -69,9 +69,9 @@ def test_segments_every_endpoint_is_past_are_removed_but_never_the_newest(tmp_pa
     for seq in (1, 2, 3):
         log._size = event_log.SEGMENT_BYTES
         log.append([event(seq)], seq)
-    assert event_log.remove_segments(tmp_path, acked=1, older_than=0) == 1
+    assert event_log.EventLog(tmp_path).remove_segments(acked=1, older_than=0) == 1
     assert [first for first, _ in event_log.segments(tmp_path)] == [2, 3]
-    assert event_log.remove_segments(tmp_path, acked=3, older_than=0) == 1
+    assert event_log.EventLog(tmp_path).remove_segments(acked=3, older_than=0) == 1
     assert [first for first, _ in event_log.segments(tmp_path)] == [3]
     log.close()
 

@@ -12,9 +12,10 @@ import msgspec
 import pytest
 
 from mtaqueue.model import Message, Recipient
-from mtaqueue.spool import journal, store
+from mtaqueue.spool import journal, writer_link
+from mtaqueue.spool.errors import WRITER_DOWN, StorageError
 from mtaqueue.spool.layout import SpoolLayout
-from mtaqueue.spool.store import WRITER_DOWN, Spool, StorageError
+from mtaqueue.spool.store import Spool
 
 
 def new_spool(root) -> Spool:
@@ -71,24 +72,24 @@ def test_a_bulk_change_goes_to_the_writer_in_bounded_batches(tmp_path, monkeypat
     """`release --all` at a million queued: the writer gets at most MAX_BATCH changes at
     a time (each step's encode and answer is short), `drained` waits until what is left
     is under it, and every change is durable."""
-    monkeypatch.setattr(store, "MAX_BATCH", 4)
+    monkeypatch.setattr(writer_link, "MAX_BATCH", 4)
 
     async def main() -> tuple[list[int], int, set[str]]:
         spool = await started(tmp_path)
         records = [message(spool) for _ in range(10)]
         await asyncio.gather(*(spool.accept(r, b"x\r\n") for r in records))
-        sizes, send = [], spool._send
+        sizes, send = [], spool._writer._send
 
         def recorded() -> None:
-            before = spool._inflight
+            before = spool._writer._inflight
             send()
-            if spool._inflight is not None and spool._inflight is not before:
-                sizes.append(len(spool._inflight))  # a batch went
+            if spool._writer._inflight is not None and spool._writer._inflight is not before:
+                sizes.append(len(spool._writer._inflight))  # a batch went
 
-        spool._send = recorded  # type: ignore[method-assign]
+        spool._writer._send = recorded  # type: ignore[method-assign]
         held = [spool.update(msgspec.structs.replace(r, held=True)) for r in records]
         await spool.drained()
-        left = len(spool._queue)
+        left = len(spool._writer._queue)
         await asyncio.gather(*held)
         assert await spool.close(5) is True
         return sizes, left, {r.id for r in records}
@@ -103,7 +104,7 @@ def test_a_bulk_change_goes_to_the_writer_in_bounded_batches(tmp_path, monkeypat
 def test_close_ends_within_its_timeout_when_the_writer_hangs(tmp_path):
     async def main() -> None:
         spool = await started(tmp_path)
-        os.kill(spool._process.pid, signal.SIGSTOP)  # a writer stuck in an fsync, say
+        os.kill(spool._writer._process.pid, signal.SIGSTOP)  # a writer stuck in an fsync, say
         pending = spool.accept(message(spool), b"never answered\r\n")
         began = time.monotonic()
         assert await spool.close(1.0) is False
@@ -119,7 +120,7 @@ def test_a_dead_writer_is_restarted_and_nothing_waiting_is_lost(tmp_path):
         spool = await started(tmp_path)
         kept = message(spool)
         await spool.accept(kept, b"kept\r\n")
-        first = spool._process.pid
+        first = spool._writer._process.pid
         os.kill(first, signal.SIGSTOP)  # hold the next batch in flight
         inflight = spool.accept(message(spool), b"in flight\r\n")
         held = msgspec.structs.replace(kept, held=True)
@@ -135,7 +136,7 @@ def test_a_dead_writer_is_restarted_and_nothing_waiting_is_lost(tmp_path):
         with pytest.raises(StorageError, match="not on disk"):
             await asyncio.wait_for(inflight, 30)
         assert await asyncio.wait_for(update, 30) == kept.id
-        assert spool._process.pid != first and spool.refusal is None
+        assert spool._writer._process.pid != first and spool.refusal is None
         later = await asyncio.wait_for(spool.accept(message(spool), b"later\r\n"), 10)
         assert await spool.close(5) is True
         queued = journal.replay(SpoolLayout(tmp_path).journal, repair=False).state.messages
@@ -222,18 +223,18 @@ def test_an_incoming_message_is_written_as_it_comes_and_committed_like_an_accept
 def test_an_incoming_message_in_flight_when_the_writer_dies_is_committed_by_the_next(tmp_path):
     async def main() -> str:
         spool = await started(tmp_path)
-        first = spool._process.pid
+        first = spool._writer._process.pid
         os.kill(first, signal.SIGSTOP)  # the Place waits in flight
         incoming = spool.incoming(message(spool))
         await asyncio.wait_for(incoming.write(b"Subject: s\r\n\r\n"), 10)
         committed = incoming.commit(b"body\r\n")
-        while spool._inflight is None:
+        while spool._writer._inflight is None:
             await asyncio.sleep(0.01)
         os.kill(first, signal.SIGKILL)
         # Its file is whole, but not in place: the new writer places it (an accept
         # would have become an adopt, and "not on disk", 451).
         queue_id = await asyncio.wait_for(committed, 30)
-        assert spool._process.pid != first
+        assert spool._writer._process.pid != first
         assert spool.content(queue_id) == b"Subject: s\r\n\r\nbody\r\n"
         assert await spool.close(5) is True
         return queue_id

@@ -97,7 +97,7 @@ def recover(layout: SpoolLayout) -> tuple[set[str], journal.ReplayResult]:
         path.unlink()
     known = set(result.state.messages)
     writer = new_writer(layout)  # Spool.start
-    report = sweep(layout, known, result.state.deleted, time.time() + 1)  # Daemon._sweep
+    report = sweep(layout, known, result.state.deleted, time.time() + 1)  # SpoolUpkeep.sweep
     assert report.quarantined == []  # no file was touched
     changes = [Adopt(message) for message in report.adopt]
     changes += [Remove(queue_id, "message file missing") for queue_id in report.missing]

@@ -29,7 +29,8 @@ from ..dkim.service import Signed, SigningError, SigningService
 from ..logs import get_logger
 from ..model import FINAL_STATES, Message
 from ..smtp.listener import ListenerSettings
-from ..spool.store import DISK_LOW, Spool, StorageError, StorageFull
+from ..spool.errors import DISK_LOW, StorageError, StorageFull
+from ..spool.store import Spool
 from ..submission import Received, accepted_fields
 from .errors import ApiError
 from .openapi import OPENAPI_PATH, document

@@ -20,8 +20,9 @@ from ..dsn import DsnParams
 from ..dsn import notice as dsn_notice
 from ..logs import get_logger
 from ..model import Message
+from ..spool.errors import StorageError, StorageFull
 from ..spool.message_file import CorruptMessageFile
-from ..spool.store import Spool, StorageError, StorageFull
+from ..spool.store import Spool
 from .tasks import Tasks
 
 log = get_logger("delivery")

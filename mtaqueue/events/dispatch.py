@@ -1,5 +1,8 @@
 """Sending the event log to the webhooks: at least once, in order, batched when slow.
 
+    dispatcher = Dispatcher(event_log, last_event)  # an EventSource (spool.event_log.EventLog)
+    dispatcher.configure(webhooks), wake(seq), view(), await close()
+
 One task per endpoint reads the log after the endpoint's cursor, a batch at a time, and
 POSTs the events it wants as a JSON array, signed. The cursor moves past a batch only once
 the endpoint answered 2xx (then the events are its, for good: a receiver dedupes by `id`),
@@ -17,7 +20,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 import msgspec
@@ -25,7 +28,6 @@ import msgspec
 from .. import __version__
 from ..config import WebhookConfig
 from ..logs import get_logger
-from ..spool import event_log
 from .event import Event
 from .signing import HEADER, read_secret, sign
 
@@ -38,6 +40,29 @@ SAVE_EVERY = 2.0  # seconds between writes of the cursors
 # thousand events a second, a POST of ~50 events every 50 ms rather than one per few events.
 LINGER = 0.05
 _json = msgspec.json.Encoder()
+
+
+class EventCursor(Protocol):
+    """Reads the events after a seq, a batch at a time (spool.event_log.EventReader)."""
+
+    after: int  # the seq of the last event read
+
+    def read(self, limit: int) -> list[Event]: ...
+
+    def close(self) -> None: ...
+
+
+class EventSource(Protocol):
+    """The event log as the dispatcher reads it (spool.event_log.EventLog): the spool owns
+    its files, the daemon hands it over."""
+
+    def reader(self, after: int) -> EventCursor: ...
+
+    def read_cursors(self) -> dict[str, int]: ...
+
+    def write_cursors(self, cursors: dict[str, int]) -> None: ...
+
+    def remove_segments(self, acked: int, older_than: float) -> int: ...
 
 
 @dataclass(slots=True)
@@ -59,7 +84,7 @@ class Endpoint:
     cfg: WebhookConfig
     secret: str
     state: EndpointState
-    reader: event_log.EventReader
+    reader: EventCursor
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
 
@@ -77,12 +102,12 @@ class Endpoint:
 
 
 class Dispatcher:
-    def __init__(self, directory: Path, last_event: Callable[[], int]) -> None:
-        self.directory = directory
+    def __init__(self, event_log: EventSource, last_event: Callable[[], int]) -> None:
+        self.event_log = event_log
         self._last_event = last_event  # the spool's newest seq
         self.endpoints: dict[str, Endpoint] = {}
         self._session: aiohttp.ClientSession | None = None
-        self._saved: dict[str, int] = event_log.read_cursors(directory)
+        self._saved: dict[str, int] = event_log.read_cursors()
         self._housekeeping: asyncio.Task | None = None
 
     def configure(self, webhooks: list[WebhookConfig]) -> None:
@@ -106,7 +131,7 @@ class Dispatcher:
                 hook,
                 secrets[name],
                 EndpointState(acked),
-                event_log.EventReader(self.directory, acked),
+                self.event_log.reader(acked),
             )
             self.endpoints[name] = endpoint
             endpoint.task = asyncio.create_task(self._run(endpoint), name=f"webhook {name}")
@@ -242,7 +267,7 @@ class Dispatcher:
         cursors = {name: e.state.acked for name, e in self.endpoints.items()}
         if cursors != self._saved:
             try:
-                event_log.write_cursors(self.directory, cursors)
+                self.event_log.write_cursors(cursors)
             except OSError as exc:
                 log.error("webhook_cursors_not_saved", error=str(exc))
                 return
@@ -255,7 +280,7 @@ class Dispatcher:
         else:
             acked = min(e.state.acked for e in self.endpoints.values())
             longest = max(e.cfg.max_age for e in self.endpoints.values())
-        event_log.remove_segments(self.directory, acked, time.time() - longest)
+        self.event_log.remove_segments(acked, time.time() - longest)
 
     def _stop(self, endpoint: Endpoint) -> None:
         if endpoint.task is not None:

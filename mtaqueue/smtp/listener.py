@@ -24,7 +24,9 @@ from ..dkim.service import SigningService
 from ..dkim.signature import PendingSignature
 from ..logs import get_logger
 from ..model import Message
-from ..spool.store import IncomingMessage, Spool, StorageFull
+from ..spool.errors import StorageFull
+from ..spool.incoming import IncomingMessage
+from ..spool.store import Spool
 from ..submission import (
     Received,
     Refused,

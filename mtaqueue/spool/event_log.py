@@ -1,13 +1,19 @@
 """The event log: the application's events, in order, on disk until every endpoint has them.
 
+    EventLogWriter(directory): append(events, first_seq), sync_if_due(), close()
+    EventLog(directory): reader(after) -> EventReader.read(limit); read_cursors(),
+        write_cursors(cursors), remove_segments(acked, older_than)
+    last_seq(directory), segments(directory)
+
 Segments `events/NNNNNNNNNNNNNNNN.log` are named by the seq of their first event and
 framed as the journal is (length, crc32, msgpack `Event`). The spool writer appends, after
 the batch's journal fdatasync, and syncs the log itself at most once a second: every event
 is also in the journal, in the frame of the change that made it (records.Noted), and a
 writer that starts appends what the log lost. The daemon reads (`EventReader`, a batch at a
 time, never the whole log) and removes the segments every endpoint is past, or that are
-older than any endpoint keeps events (`remove_segments`). Where each endpoint is, is
-`events/cursors.json` (`write_cursors`), written by the daemon after the endpoint's answers.
+older than any endpoint keeps events (`EventLog.remove_segments`). Where each endpoint is,
+is `events/cursors.json` (`EventLog.write_cursors`), written by the daemon after the
+endpoint's answers.
 """
 
 from __future__ import annotations
@@ -194,34 +200,42 @@ class EventReader:
         return events
 
 
-def remove_segments(directory: Path, acked: int, older_than: float) -> int:
-    """Remove segments whose events are all numbered up to `acked`, or whose last write was
-    before `older_than` (epoch seconds); never the newest, which the writer appends to.
-    Returns how many were removed."""
-    found = segments(directory)
-    removed = 0
-    for (_, path), (next_first, _) in itertools.pairwise(found):
+class EventLog:
+    """The log as the daemon reads it: a reader per endpoint, the endpoints' cursors, the
+    removal of old segments (what the webhook dispatcher is given: events.dispatch)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def reader(self, after: int) -> EventReader:
+        return EventReader(self.directory, after)
+
+    def remove_segments(self, acked: int, older_than: float) -> int:
+        """Remove segments whose events are all numbered up to `acked`, or whose last write
+        was before `older_than` (epoch seconds); never the newest, which the writer appends
+        to. Returns how many were removed."""
+        found = segments(self.directory)
+        removed = 0
+        for (_, path), (next_first, _) in itertools.pairwise(found):
+            try:
+                old = path.stat().st_mtime < older_than
+                if next_first - 1 <= acked or old:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
+    def read_cursors(self) -> dict[str, int]:
         try:
-            old = path.stat().st_mtime < older_than
-            if next_first - 1 <= acked or old:
-                path.unlink()
-                removed += 1
-        except FileNotFoundError:
-            continue
-    return removed
+            data = (self.directory / CURSORS_FILE).read_bytes()
+            return msgspec.json.decode(data, type=dict[str, int])
+        except (FileNotFoundError, msgspec.DecodeError):
+            return {}
 
-
-def read_cursors(directory: Path) -> dict[str, int]:
-    try:
-        data = (directory / CURSORS_FILE).read_bytes()
-        return msgspec.json.decode(data, type=dict[str, int])
-    except (FileNotFoundError, msgspec.DecodeError):
-        return {}
-
-
-def write_cursors(directory: Path, cursors: dict[str, int]) -> None:
-    directory.mkdir(mode=0o700, exist_ok=True)
-    write_atomic(directory / CURSORS_FILE, msgspec.json.encode(cursors))
+    def write_cursors(self, cursors: dict[str, int]) -> None:
+        self.directory.mkdir(mode=0o700, exist_ok=True)
+        write_atomic(self.directory / CURSORS_FILE, msgspec.json.encode(cursors))
 
 
 def last_seq(directory: Path) -> int:
