@@ -48,7 +48,7 @@ from .http_server import HttpServer
 from .logs import get_logger
 from .model import DEFERRED, QUEUED, Message
 from .policy.breaker import CLOSED, HALF_OPEN, OPEN
-from .policy.classify import DELIVERED
+from .policy.verdict import DELIVERED
 from .spool.walk import walk
 
 log = get_logger("metrics")

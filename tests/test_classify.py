@@ -9,15 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mtaqueue.config import ConfigError, ReplyRule
-from mtaqueue.policy.classify import (
-    KINDS,
-    MAX_HINT,
-    RULE_KINDS,
-    Verdict,
-    classify,
-    compile_rules,
-)
+from mtaqueue.policy.classify import MAX_HINT, classify, compile_rules
 from mtaqueue.policy.replies import NETWORK_EVENTS, PHASES, Reply
+from mtaqueue.policy.verdict import KINDS, RULE_KINDS, Verdict
 
 SETUP = ("connect", "banner", "ehlo", "starttls", "auth")
 TRANSACTION = ("mail", "rcpt", "data")

@@ -25,7 +25,7 @@ from mtaqueue.model import (
     Recipient,
 )
 from mtaqueue.policy.backoff import RetryPolicy
-from mtaqueue.policy.classify import Verdict, classify
+from mtaqueue.policy.classify import classify
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.settle import (
     THROTTLE_REQUEUES,
@@ -38,6 +38,7 @@ from mtaqueue.policy.settle import (
     settle,
     throttle_refused,
 )
+from mtaqueue.policy.verdict import Verdict
 
 M, H, D = 60.0, 3600.0, 86400.0
 T0 = 1_700_000_000.0  # every message arrives then

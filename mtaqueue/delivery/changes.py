@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from ..logs import get_logger
 from ..policy.breaker import CLOSED
-from ..policy.classify import AUTH, TLS
 from ..policy.settle import Result
 from ..policy.shaper import ShaperState
+from ..policy.verdict import AUTH, TLS
 from ..scheduler.actions import Action, Release
 from .destination import Destination
 

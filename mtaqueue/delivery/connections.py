@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..logs import get_logger
-from ..policy.classify import DELIVERED, TRANSIENT
 from ..policy.settle import Result, throttle_refused
+from ..policy.verdict import DELIVERED, TRANSIENT
 from ..scheduler.actions import Action, Connect
 from ..scheduler.active import ActiveWindow
 from ..scheduler.core import Scheduler

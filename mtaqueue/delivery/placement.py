@@ -31,11 +31,11 @@ import msgspec
 from .. import config
 from ..logs import get_logger
 from ..model import DEFERRED, QUEUED, Message
-from ..policy.classify import BLOCKLIST, IPV6
 from ..policy.egress import EgressState
 from ..policy.fairness import class_order
 from ..policy.replies import Reply
 from ..policy.settle import THROTTLE_REQUEUES, Result
+from ..policy.verdict import BLOCKLIST, IPV6
 from ..routing.nexthop import NextHop, next_hop
 from ..routing.pools import Pool, Pools, Source, family_of
 from ..routing.relays import Relay, Relays, unrouted

@@ -20,13 +20,14 @@ import msgspec
 from .. import config
 from ..logs import get_logger
 from ..model import Message
-from ..policy.classify import AUTH, BLOCKLIST, DELIVERED, HOST, IPV6, THROTTLING, Rule, classify
+from ..policy.classify import Rule, classify
 from ..policy.hosts import EVERY, HostSuspensions, host_key
 from ..policy.mta_sts import AS_USUAL, VERIFY, requirement
 from ..policy.replies import Reply
 from ..policy.settle import Result
 from ..policy.shaper import REFUSALS_PER_CONNECTION
 from ..policy.tls_report import Session, result_type
+from ..policy.verdict import AUTH, BLOCKLIST, DELIVERED, HOST, IPV6, THROTTLING
 from ..routing.pools import Source, family_of
 from ..routing.relays import STARTTLS
 from ..routing.resolver import Route

@@ -28,8 +28,8 @@ from ..model import (
     with_hold,
 )
 from .backoff import RetryPolicy, expires_before, expiry, next_attempt
-from .classify import RECIPIENT, THROTTLING, TRANSIENT, Verdict
 from .replies import Reply
+from .verdict import RECIPIENT, THROTTLING, TRANSIENT, Verdict
 
 # Times in a row a message refused by its destination's throttle goes back to the ready
 # queue uncharged; the next refusal is an attempt (the retry schedule, expiry), so that a

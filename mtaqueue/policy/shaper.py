@@ -60,11 +60,11 @@ from dataclasses import dataclass
 from .. import config
 from .breaker import CLOSED, HALF_OPEN, CircuitBreaker
 from .buckets import TokenBucket
-from .classify import AUTH, DELIVERED, GREYLISTING, PERMANENT, RECIPIENT, THROTTLING, Verdict
 from .concurrency import AdaptiveConcurrency
 from .rate_learner import PROBING, SLOW_STARTING, Change, Learned, RateLearner
 from .replies import PHASES, Reply
 from .throttle import BackoffMode, ThrottleRules
+from .verdict import AUTH, DELIVERED, GREYLISTING, PERMANENT, RECIPIENT, THROTTLING, Verdict
 
 _MAIL = PHASES.index("mail")
 # 4xx replies on one connection since it last delivered before it is closed rather than

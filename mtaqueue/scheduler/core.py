@@ -32,10 +32,10 @@ from typing import Generic, TypeVar
 from ..config import Pacing
 from ..policy.breaker import CLOSED, HALF_OPEN
 from ..policy.buckets import TokenBucket
-from ..policy.classify import Verdict
 from ..policy.fairness import FairQueue
 from ..policy.replies import Reply
 from ..policy.shaper import DestinationShaper
+from ..policy.verdict import Verdict
 from .actions import Action, Close, Dispatch, GiveUp, Release, Send, Wake
 from .slots import IDLE, SENDING, WAITING, Admission, Station
 
