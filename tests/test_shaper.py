@@ -16,7 +16,7 @@ from mtaqueue.config import DestinationRule, Pacing, ShapingConfig, ThrottleRule
 from mtaqueue.policy.classify import classify
 from mtaqueue.policy.rate_learner import BETA
 from mtaqueue.policy.replies import Reply
-from mtaqueue.policy.shaper import DestinationShaper, pacing_for, stated_rate
+from mtaqueue.policy.shaper import NAMED_HOP_RATE, DestinationShaper, pacing_for, stated_rate
 
 # A small, quick destination: 4 connections at most, 2 to start, one reserved for p0.
 PACING = Pacing(max_connections=4, initial_connections=2, reserved_p0=1)
@@ -352,6 +352,30 @@ def test_a_rate_stated_for_a_destination_is_where_it_starts_the_default_only_cap
     assert stated.snapshot(1.0)["learned"]["phase"] == "paused"
     stated.forget(2.0)  # and forgetting starts at the stated rate again
     assert stated.snapshot(2.0)["messages_per_minute"] == pytest.approx(6000)
+
+
+def test_a_next_hop_the_operator_named_starts_at_speed_not_in_slow_start():
+    # A relayhost, a route or a smarthost: the operator chose it, as Postfix's relayhost;
+    # slow start cost a third of the end-to-end bench. A rule's own rate still wins, and
+    # shaping.default's rate still caps it.
+    shaping = msgspec.structs.replace(
+        SHAPING,
+        destinations=[DestinationRule(mx_suffix=".provider.test", messages_per_minute=6000)],
+    )
+    assert stated_rate(shaping, "", ["127.0.0.1"], named_hop=True) == NAMED_HOP_RATE
+    assert stated_rate(shaping, "", ["mx1.provider.test"], named_hop=True) == 6000
+    assert stated_rate(shaping, "other.test", ["mx.other.test"]) == 0
+    hop = DestinationShaper(
+        pacing_for(shaping, "", ["127.0.0.1"]), shaping, 0.0, stated_rate=NAMED_HOP_RATE
+    )
+    assert hop.snapshot(0.0)["messages_per_minute"] == pytest.approx(NAMED_HOP_RATE)
+    capped = msgspec.structs.replace(shaping, default=Pacing(messages_per_minute=600))
+    hop = DestinationShaper(
+        pacing_for(capped, "", ["127.0.0.1"]), capped, 0.0, stated_rate=NAMED_HOP_RATE
+    )
+    assert hop.snapshot(0.0)["messages_per_minute"] == pytest.approx(600)
+    report(hop, 1.0, THROTTLED)  # a throttle signal still pauses and cuts it
+    assert hop.snapshot(1.0)["learned"]["phase"] == "paused"
 
 
 def test_a_throttle_rule_hit_is_a_throttle_signal():

@@ -394,13 +394,31 @@ def pacing_for(
     return rule.over(shaping.default) if rule else shaping.default
 
 
-def stated_rate(shaping: config.ShapingConfig, domain: str, mx_hosts: Iterable[str]) -> float:
+# Where a next hop the operator named (delivery.relayhost, a route, a class's or tenant's
+# smarthost) starts without history, messages a minute: not in slow start. Slow start (2/s,
+# doubling each 0.25 s) is for a provider nobody told us about; it took ~2.5 s of every
+# burst to a relayhost, a third of bench/delivery_bench.py's throughput (bench/RESULTS.md,
+# "End-to-end throughput after 639f883"). Postfix paces a relayhost by nothing at all; a
+# throttle signal still cuts this rate to what the hop took (rate_learner.py).
+NAMED_HOP_RATE = 60_000.0
+
+
+def stated_rate(
+    shaping: config.ShapingConfig,
+    domain: str,
+    mx_hosts: Iterable[str],
+    *,
+    named_hop: bool = False,
+) -> float:
     """The messages a minute a [[shaping.destinations]] rule gives this destination, 0 if
     none. An admin who names a destination's rate knows that provider: a destination with
     no history starts there instead of in slow start. shaping.default's rate says nothing
-    of any one provider: it stays a ceiling over the slow start."""
+    of any one provider: it stays a ceiling over the slow start. `named_hop`: the
+    destination is a next hop the operator configured, not the recipient domain's own MX;
+    without a rule's rate it starts at NAMED_HOP_RATE (under the ceiling, if any)."""
     rule = _rule_for(shaping, domain, mx_hosts)
-    return (rule.messages_per_minute or 0.0) if rule else 0.0
+    rate = (rule.messages_per_minute or 0.0) if rule else 0.0
+    return rate or (NAMED_HOP_RATE if named_hop else 0.0)
 
 
 def _rule_for(
