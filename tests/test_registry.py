@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from msgspec.structs import replace
+
 from mtaqueue import config
 from mtaqueue.config import DEFAULT_CLASSES
 from mtaqueue.delivery.registry import Registry, named
 from mtaqueue.model import Message, Recipient
 from mtaqueue.policy import rate_learner
+from mtaqueue.policy.shaper import NAMED_HOP_RATE
 from mtaqueue.routing.resolver import MxHost, Route
 from mtaqueue.scheduler.core import Scheduler
 
@@ -67,3 +70,20 @@ def test_forget_learned_drops_live_and_remembered_lessons():
     assert reg.forget_learned("mx2.example.net", T0) == 1
     assert "mx2.example.net" not in reg.learned
     assert rate_learner.decode(reg.learned_data(T0)).keys() <= {"mx1.example.net"}
+
+
+def test_a_next_hop_the_operator_named_starts_at_full_rate_an_own_mx_in_slow_start():
+    reg, _ = registry()
+    own = reg.create("mx1.example.net", "example.org", replace(ROUTE, own_mx=True), None, T0)
+    named_hop = reg.create("127.0.0.1:2526", "example.org", ROUTE, None, T0)  # a relayhost
+    assert not own.named_hop and named_hop.named_hop
+    assert named_hop.shaper.snapshot(T0)["messages_per_minute"] == NAMED_HOP_RATE
+    assert own.shaper.snapshot(T0)["messages_per_minute"] < NAMED_HOP_RATE / 100
+    shaping = config.ShapingConfig()
+    reloaded = config.Config(
+        shaping=replace(shaping, default=replace(shaping.default, max_connections=3))
+    )
+    reg.configure(reloaded, {}, {}, T0 + 1)  # new pacing: a new shaper, what it learned kept
+    assert named_hop.pacing.max_connections == 3
+    assert named_hop.shaper.snapshot(T0 + 1)["messages_per_minute"] == NAMED_HOP_RATE
+    assert own.shaper.snapshot(T0 + 1)["messages_per_minute"] < NAMED_HOP_RATE / 100

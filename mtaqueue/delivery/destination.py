@@ -65,6 +65,7 @@ class Destination:
         relay: Relay | None = None,
         smarthost: Smarthost | None = None,
         source: Source | None = None,
+        named_hop: bool = False,
     ) -> None:
         """Its ready queue and connections are the scheduler core's. `hosts` (and `port`):
         the host names of its route; None: those of an MX key ("names[:port][@source]")."""
@@ -81,6 +82,7 @@ class Destination:
         self.hosts = tuple(hosts)
         self.port = port
         self.relay = relay  # a class's or tenant's smarthost, or None (MX, routes)
+        self.named_hop = named_hop  # a next hop the operator named: no slow start there
         self.smarthost = smarthost  # its TLS and AUTH (the password: kept, never shown)
         self.domains: set[str] = set()
         self.last_replies: deque[str] = deque(maxlen=5)

@@ -156,9 +156,11 @@ class Placement:
                 plain, sts = await asyncio.gather(
                     self.resolver.route(hop), self.policies.applied(hop.host)
                 )
+                if isinstance(plain, Route):
+                    plain = msgspec.structs.replace(plain, own_mx=True)
                 route = restricted(plain, sts)
                 if isinstance(route, Route):
-                    route = msgspec.structs.replace(route, tls_domain=hop.host)
+                    route = msgspec.structs.replace(route, tls_domain=hop.host, own_mx=True)
                 return Resolved(route, plain)
             return Resolved(await self.resolver.route(hop), None)
         except Exception as exc:

@@ -93,7 +93,9 @@ class Registry:
                 self.shaping,
                 now,
                 learned,
-                stated_rate=stated_rate(self.shaping, domain, destination.hosts),
+                stated_rate=stated_rate(
+                    self.shaping, domain, destination.hosts, named_hop=destination.named_hop
+                ),
             )
             self.core.add_destination(destination.key, destination.shaper, pacing)
 
@@ -111,12 +113,13 @@ class Registry:
         if relay is not None:
             domain = ""  # see _domain_of
         pacing = pacing_for(shaping, domain, hosts)
+        named_hop = not route.own_mx  # a relayhost, a route, a smarthost
         shaper = DestinationShaper(
             pacing,
             shaping,
             now,
             self.learned.get(key),
-            stated_rate=stated_rate(shaping, domain, hosts),
+            stated_rate=stated_rate(shaping, domain, hosts, named_hop=named_hop),
         )
         smarthost = self._smarthosts.get(key) if relay is not None else None
         destination = Destination(
@@ -128,6 +131,7 @@ class Registry:
             relay=relay,
             smarthost=smarthost,
             source=source,
+            named_hop=named_hop,
         )
         for name in (key, destination.base, domain) if domain else (key, destination.base):
             if name in self._overrides:

@@ -42,6 +42,7 @@ class Route(msgspec.Struct, frozen=True):
     port: int
     sts: Applied | None = None  # the recipient domain's MTA-STS policy (delivery/mta_sts.py)
     tls_domain: str = ""  # the recipient domain, if these are its own MX hosts (TLS-RPT)
+    own_mx: bool = False  # the recipient domain's own MX hosts, not a hop the operator named
 
 
 class RouteFailure(msgspec.Struct, frozen=True):
