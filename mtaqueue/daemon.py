@@ -148,6 +148,7 @@ class Daemon:
                 alerts=self.alerts.active,
                 webhooks=self.events.view,
                 relay_of=self.delivery.relay_of,
+                scheduled=self.delivery.scheduled,
             ),
             top_n=cfg.metrics.top_destinations,
         )

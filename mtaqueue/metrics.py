@@ -79,6 +79,8 @@ class Sources:
     webhooks: Callable[[], Iterable[Mapping[str, Any]]] = tuple  # events.Dispatcher.view
     # The smarthost a message goes to whole (its class's or tenant's relay key), or None.
     relay_of: Callable[[Message], str | None] = lambda message: None
+    # Schedules into the scheduled queue by reason (DeliveryManager.scheduled).
+    scheduled: Callable[[], Mapping[str, int]] = dict
 
 
 @dataclass(slots=True)
@@ -260,6 +262,15 @@ class Metrics:
         dns.add_metric(("hit",), hits)
         dns.add_metric(("miss",), misses)
         yield dns
+        scheduled = CounterMetricFamily(
+            "mtaqueue_scheduled",
+            "Messages put (back) into the scheduled queue, by reason (accepted, startup, retry,"
+            " wait, warmup, release, operator, recover)",
+            labels=("reason",),
+        )
+        for reason, count in sorted(self.sources.scheduled().items()):
+            scheduled.add_metric((reason,), count)
+        yield scheduled
         yield GaugeMetricFamily(
             "mtaqueue_spool_free_bytes",
             "Free space on the spool's file system",

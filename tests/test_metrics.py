@@ -52,6 +52,7 @@ class State:
         self.destinations: list[tuple[Destination, int]] = []  # and its connections
         self.alerts: list[tuple[str, str]] = []
         self.dns = (0, 0)
+        self.scheduled = {"accepted": 0, "retry": 0}
 
     def metrics(self, top_n: int = 20, relay_of=lambda message: None) -> Metrics:
         sources = Sources(
@@ -66,6 +67,7 @@ class State:
             journal_bytes=lambda: 12345,
             alerts=lambda: self.alerts,
             relay_of=relay_of,
+            scheduled=lambda: self.scheduled,
         )
         return Metrics(sources, top_n=top_n, clock=lambda: NOW)
 
@@ -143,6 +145,7 @@ def test_a_scrape_shows_the_queue_the_pacing_and_the_spool():
     state.destinations = [destination(GMAIL, "gmail.com", "googlemail.com", active=2)]
     state.alerts = [("oldest_age", "p0")]
     state.dns = (7, 3)
+    state.scheduled = {"accepted": 4, "retry": 2}
     found = samples(state.metrics())
 
     recipients = {
@@ -174,6 +177,8 @@ def test_a_scrape_shows_the_queue_the_pacing_and_the_spool():
     assert value(found, "mtaqueue_destinations", mode="normal", circuit="closed") == 1
     assert value(found, "mtaqueue_dns_cache_lookups_total", result="hit") == 7
     assert value(found, "mtaqueue_dns_cache_lookups_total", result="miss") == 3
+    assert value(found, "mtaqueue_scheduled_total", reason="accepted") == 4
+    assert value(found, "mtaqueue_scheduled_total", reason="retry") == 2
     assert value(found, "mtaqueue_spool_free_bytes") == 5 * 2**30
     assert value(found, "mtaqueue_spool_journal_bytes") == 12345
     assert value(found, "mtaqueue_alert_active", alert="oldest_age", subject="p0") == 1

@@ -72,6 +72,12 @@ def test_delivery_attempts_and_connect_latency_are_counted(start_daemon):
             if name == "mtaqueue_delivery_latency_seconds_count" and ("class", "p1") in labels
         ]  # fmt: skip
         assert latency == [1]
+        scheduled = {
+            dict(labels)["reason"]: value
+            for (name, labels), value in samples.items()
+            if name == "mtaqueue_scheduled_total"
+        }
+        assert scheduled["accepted"] == 1 and scheduled["retry"] == 0  # delivered at once
 
 
 def test_deferral_rate_alert_driven_by_a_deferring_peer(start_daemon):

@@ -21,7 +21,7 @@ from mtaqueue.policy.classify import classify
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.shaper import DestinationShaper
 from mtaqueue.scheduler.actions import Close, Connect, Dispatch, GiveUp, Release, Send, Wake
-from mtaqueue.scheduler.core import Scheduler
+from mtaqueue.scheduler.core import ACCEPTED, REASONS, RETRY, Scheduler
 
 CLASSES = {name: (c.priority, c.weight) for name, c in DEFAULT_CLASSES.items()}
 T0 = 1_000_000.0
@@ -54,9 +54,11 @@ def enqueue_many(sched, now: float, klass: str, prefix: str, count: int) -> list
 
 def test_due_messages_are_dispatched_together_when_due():
     sched = scheduler(pacing())
-    assert sched.schedule(T0, "m1", T0 + 5) == [Wake(T0 + 5)]
-    assert sched.schedule(T0, "m2", T0 + 6) == []  # not the first due: the Wake stands
-    assert sched.schedule(T0, "m3", T0 + 4) == [Wake(T0 + 4)]
+    assert sched.schedule(T0, "m1", T0 + 5, ACCEPTED) == [Wake(T0 + 5)]
+    assert sched.schedule(T0, "m2", T0 + 6, RETRY) == []  # not the first due: the Wake stands
+    assert sched.schedule(T0, "m3", T0 + 4, RETRY) == [Wake(T0 + 4)]
+    assert sched.inserted[ACCEPTED] == 1 and sched.inserted[RETRY] == 2  # by reason
+    assert set(sched.inserted) == set(REASONS)  # every reason counted, 0 too
     assert of(sched.tick(T0 + 4.5), Dispatch) == [Dispatch(("m3",))]
     assert of(sched.tick(T0 + 6), Dispatch) == [Dispatch(("m1", "m2"))]
 

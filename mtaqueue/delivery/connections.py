@@ -28,7 +28,7 @@ from ..policy.settle import Result, throttle_refused
 from ..policy.verdict import DELIVERED, TRANSIENT
 from ..scheduler.actions import Action, Connect
 from ..scheduler.active import ActiveWindow
-from ..scheduler.core import Scheduler
+from ..scheduler.core import WAIT, Scheduler
 from ..smtp.client import SmtpConnection
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool
@@ -208,7 +208,7 @@ class Connections:
             return self.placement.replace(destination, [item], now)
         if self.active.uncharged_wait(item.message_id):
             self.active.free(item.message_id, item.indexes)
-            return self.outcomes.schedule(item.message_id, wait.until, now)
+            return self.outcomes.schedule(item.message_id, wait.until, now, WAIT)
         results = [self.sender.result(i, wait.reply, None, None) for i in item.indexes]
         return self.outcomes.finish(
             item.message_id, item.indexes, results, destination=destination.key, now=now

@@ -25,7 +25,7 @@ from ..routing.nexthop import NextHop
 from ..routing.relays import Relay
 from ..scheduler.actions import Close, Connect, Dispatch, GiveUp, Release, Send, Wake
 from ..scheduler.active import ActiveWindow
-from ..scheduler.core import Scheduler
+from ..scheduler.core import RELEASE, Scheduler
 from .connections import Connections, Retire, Step
 from .destination import WorkItem
 from .intake import Intake
@@ -122,7 +122,7 @@ class Driver:
         actions: list[Step] = []
         for item, start in zip(action.items, starts, strict=True):
             self.active.free(item.message_id, item.indexes)
-            actions += self.outcomes.schedule(item.message_id, start, now)
+            actions += self.outcomes.schedule(item.message_id, start, now, RELEASE)
         return actions
 
     # -- due mail ------------------------------------------------------------------------

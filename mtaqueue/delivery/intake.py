@@ -26,6 +26,7 @@ from ..model import Message
 from ..policy.backoff import restart_due
 from ..scheduler.actions import Action
 from ..scheduler.active import ActiveWindow
+from ..scheduler.core import STARTUP
 from ..spool.store import Spool
 from ..spool.walk import WALK_CHUNK, chunks
 from .outcomes import Outcomes, earliest_due
@@ -75,7 +76,7 @@ class Intake:
                 if due is None:
                     continue
                 if due > now:  # not due yet: it waits in the heap
-                    actions += self.outcomes.schedule(message_id, due, now)
+                    actions += self.outcomes.schedule(message_id, due, now, STARTUP)
                 elif message.klass == self.first_class:
                     yield actions
                     actions = [] if self.closing else await self._let_in(message_id, due, 0.0)
@@ -95,7 +96,8 @@ class Intake:
             await asyncio.sleep(RELEASE_POLL)
         self.active.admit(message_id)  # until dispatched
         now = self.clock()
-        return self.outcomes.schedule(message_id, restart_due(due, now, window, self.rng), now)
+        due = restart_due(due, now, window, self.rng)
+        return self.outcomes.schedule(message_id, due, now, STARTUP)
 
     def admit(self, message_ids: tuple[str, ...] | list[str]) -> tuple[list[str], bool]:
         """Due mail: what is routed now (a chunk at a time) and whether the rest waits in

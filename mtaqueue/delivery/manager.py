@@ -9,6 +9,7 @@ the daemon, mtaqueue-ctl and the API use.
     .limit .backoff .forget_learned                           (destination name) -> count
     .warmups(address) / .move_warmup(address, name, to_first)
     .domains() / .view() / .waiting_for(message_id) / .relay_of(message)
+    .scheduled() -> {reason: count}                          schedules by reason (metrics)
     .on_delivery / .on_connect / .sign_notice                 hooks: metrics, DKIM
     .tls_reports
 
@@ -38,7 +39,7 @@ from ..routing.pools import Pools
 from ..routing.relays import relays
 from ..routing.resolver import Resolver
 from ..scheduler.active import ActiveWindow
-from ..scheduler.core import Scheduler
+from ..scheduler.core import ACCEPTED, Scheduler
 from ..smtp.client import ClientSettings
 from ..spool.store import Spool
 from ..spool.walk import WALK_CHUNK, walk
@@ -197,7 +198,7 @@ class DeliveryManager:
     def on_accepted(self, message: Message) -> None:
         """A new message is durable: due now."""
         now = self.driver.now()
-        self.driver.perform(self.outcomes.schedule(message.id, now, now))
+        self.driver.perform(self.outcomes.schedule(message.id, now, now, ACCEPTED))
 
     def _revalidated(self, message_id: str, indexes: list[int], decision: str) -> None:
         self.operations.revalidated(message_id, indexes, decision)
@@ -220,6 +221,10 @@ class DeliveryManager:
         async for message in walk(self.spool.messages):
             view.add(message)
         return sorted(view.entries() + self.ramps.unrouted(live), key=lambda d: d["destination"])
+
+    def scheduled(self) -> dict[str, int]:
+        """How often a message went (back) into the scheduled queue, by reason."""
+        return dict(self.core.inserted)
 
     def relay_of(self, message: Message) -> str | None:
         """The smarthost (destination key) all of a message goes to, or None."""

@@ -24,6 +24,7 @@ from ..policy.revalidate import CANCEL, HOLD
 from ..policy.settle import bounce_now, flushed
 from ..policy.shaper import DestinationShaper
 from ..routing.resolver import Resolver
+from ..scheduler.core import OPERATOR
 from ..smtp.addresses import domain_of
 from ..spool.store import Spool
 from .driver import Driver
@@ -52,7 +53,7 @@ class Operations:
         self.greylist_min = cfg.retry.greylist_min
 
     def _schedule(self, message_id: str, due: float, now: float) -> None:
-        self.driver.perform(self.outcomes.schedule(message_id, due, now))
+        self.driver.perform(self.outcomes.schedule(message_id, due, now, OPERATOR))
 
     def hold(self, messages: list[Message], reason: str = HELD_BY_OPERATOR) -> int:
         """Held mail is not attempted and does not expire until released."""

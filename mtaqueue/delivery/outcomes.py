@@ -2,7 +2,7 @@
 
     Outcomes(spool, active, core, registry, notices, tasks, rng)
     .configure(cfg, sender)                   settings of a start or a reload
-    .schedule(message_id, due, now)           -> actions (none before delivery starts)
+    .schedule(message_id, due, now, reason)   -> actions (none before delivery starts)
     .finish(id, indexes, results, destination=, now=, retry_factor=)   -> actions
     .apply(settlement, now)                   -> actions: events, DSNs, suppressions, journal
     .charge(id, indexes, reply, destination, now)      a failure of ours as an attempt
@@ -31,7 +31,7 @@ from ..policy.replies import Reply
 from ..policy.settle import Result, Settlement, SettleSettings, settle
 from ..scheduler.actions import Action
 from ..scheduler.active import ActiveWindow
-from ..scheduler.core import Scheduler
+from ..scheduler.core import RECOVER, RETRY, Scheduler
 from ..spool.store import Spool
 from .destination import WorkItem
 from .notices import Notices
@@ -87,10 +87,11 @@ class Outcomes:
         # A class removed by a reload: its queued mail follows the default class.
         return self._settings.get(klass) or self._settings[self.cfg.submission.default_class]
 
-    def schedule(self, message_id: str, due: float, now: float) -> list[Action]:
+    def schedule(self, message_id: str, due: float, now: float, reason: str) -> list[Action]:
+        """Into the scheduled queue, for `reason` (scheduler/core.py's REASONS)."""
         if not self.started:
             return []
-        return self.core.schedule(now, message_id, due)
+        return self.core.schedule(now, message_id, due, reason)
 
     def finish(
         self,
@@ -158,7 +159,7 @@ class Outcomes:
         else:
             journal(self.spool.update(message), message.id)
         due = None if finished else earliest_due(message)
-        return [] if due is None else self.schedule(message.id, due, now)
+        return [] if due is None else self.schedule(message.id, due, now, RETRY)
 
     async def _journal_when_noticed(
         self, message: Message, finished: bool, notices: list[asyncio.Future]
@@ -212,7 +213,7 @@ class Outcomes:
         if indexes is None:
             indexes = [i for i, r in enumerate(message.recipients) if r.state in PENDING]
         if self.active.uncharged_wait(message_id):
-            return self.schedule(message_id, now + RECOVER_AFTER, now)
+            return self.schedule(message_id, now + RECOVER_AFTER, now, RECOVER)
         reply = Reply("dns", 0, "", f"local error: {type(error).__name__}: {error}", "local")
         return self.charge(message_id, indexes, reply, "", now)
 

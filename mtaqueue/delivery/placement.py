@@ -42,7 +42,7 @@ from ..routing.relays import Relay, Relays, unrouted
 from ..routing.resolver import Resolver, Route, RouteFailure
 from ..scheduler.actions import Action
 from ..scheduler.active import ActiveWindow
-from ..scheduler.core import Scheduler
+from ..scheduler.core import WAIT, WARMUP, Scheduler
 from ..smtp.addresses import domain_of
 from ..spool.store import Spool
 from .destination import Destination, WorkItem, destination_key, sourced
@@ -280,10 +280,10 @@ class Placement:
             until = self.warm.wait(base, item.message_id, now, self.rng, pool.warmup_spread, back)
             log.info("warmup_wait", id=item.message_id, destination=base, until=until)
             self.active.free(item.message_id, item.indexes)
-            return self.outcomes.schedule(item.message_id, until, now)
+            return self.outcomes.schedule(item.message_id, until, now, WARMUP)
         if back is not None and self.active.uncharged_wait(item.message_id):
             self.active.free(item.message_id, item.indexes)
-            return self.outcomes.schedule(item.message_id, back, now)
+            return self.outcomes.schedule(item.message_id, back, now, WAIT)
         if back is not None:
             text = f"every source of pool {pool.name} is blocklisted at {base}"
         else:

@@ -18,6 +18,7 @@ from ..logs import get_logger
 from ..policy import warmup
 from ..routing.pools import Source
 from ..scheduler.actions import Action
+from ..scheduler.core import OPERATOR
 from .destination import sourced
 from .driver import Driver
 from .placement import Placement
@@ -71,7 +72,7 @@ class Ramps:
                 actions += self.placement.replace_queued(sourced(base, source), now)
             else:
                 for message_id in self.placement.warm.release(base, now):
-                    actions += self.placement.outcomes.schedule(message_id, now, now)
+                    actions += self.placement.outcomes.schedule(message_id, now, now, OPERATOR)
         self.driver.perform(actions)
         await asyncio.to_thread(self.upkeep.save_egress, self.egress.encode(now))
         return entries

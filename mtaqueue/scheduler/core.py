@@ -3,7 +3,7 @@
     Scheduler(classes, max_connections=, connection_idle=, rate=, tenant_rate=)
     events:  add_destination, forget, configure, reclassify, schedule, tick, enqueue,
              connected, connect_failed, done, abandon, remove   -> list[Action]
-    views:   slots(key), waiting(key)
+    views:   slots(key), waiting(key), inserted (schedules by reason)
 
 It holds the scheduled queue (message ids by due time), a ready queue per destination
 (policy/fairness.py: the first class first, weights, tenants), and the connection slots.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
@@ -40,6 +41,19 @@ from .actions import Action, Close, Dispatch, GiveUp, Release, Send, Wake
 from .slots import IDLE, SENDING, WAITING, Admission, Station
 
 T = TypeVar("T")
+
+# Why a message goes (back) into the scheduled queue, as KumoMTA's InsertReason: every
+# `schedule` names one, and the core counts them (`inserted`: the metric
+# mtaqueue_scheduled_total{reason}), so a dashboard shows what keeps the queue busy.
+ACCEPTED = "accepted"  # a new message is durable
+STARTUP = "startup"  # the queue read at start
+RETRY = "retry"  # a settlement's next attempt (policy/settle.py)
+WAIT = "wait"  # an internal wait, uncharged once: every host suspended, a pool's sources out
+WARMUP = "warmup"  # over a warming source's allowance: the next day
+RELEASE = "release"  # a probe closed the circuit: what waited goes, spread out
+OPERATOR = "operator"  # an operator's release or flush, a ramp finished
+RECOVER = "recover"  # after a bug of ours (uncharged once)
+REASONS = (ACCEPTED, STARTUP, RETRY, WAIT, WARMUP, RELEASE, OPERATOR, RECOVER)
 
 
 class Scheduler(Generic[T]):
@@ -73,6 +87,7 @@ class Scheduler(Generic[T]):
         self._dirty: set[str] = set()
         self._timers: list[tuple[float, int, str]] = []  # (at, seq, destination)
         self._timer_of: dict[str, tuple[float, int]] = {}
+        self.inserted: Counter[str] = Counter({reason: 0 for reason in REASONS})
 
     @property
     def classes(self) -> dict[str, tuple[int, int]]:
@@ -128,10 +143,11 @@ class Scheduler(Generic[T]):
         admission.max_connections, admission.connection_idle = max_connections, connection_idle
         admission.rate, admission.tenant_rate = rate, tenant_rate
 
-    def schedule(self, now: float, message_id: str, due: float) -> list[Action]:
-        """Make a message due at `due`. It is dispatched by the `tick` at or after it,
-        with everything else due then (a restart makes thousands due at once: routed
-        together), so this only moves the Wake."""
+    def schedule(self, now: float, message_id: str, due: float, reason: str) -> list[Action]:
+        """Make a message due at `due`, for `reason` (one of REASONS). It is dispatched
+        by the `tick` at or after it, with everything else due then (a restart makes
+        thousands due at once: routed together), so this only moves the Wake."""
+        self.inserted[reason] += 1
         heapq.heappush(self._heap, (due, next(self._seq), message_id))
         if self._heap[0][2] != message_id:
             return []
