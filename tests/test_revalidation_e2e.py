@@ -72,7 +72,7 @@ def world(start_daemon):
 
 
 def no_dsn(world, daemon) -> None:
-    # A DSN is durable before the record of the message it reports ends (manager._apply),
+    # A DSN is durable before the record of the message it reports ends (Outcomes.apply),
     # so once the message is gone a DSN would have been queued already.
     assert events(daemon, "dsn_queued") == []
     assert world.home.messages == []

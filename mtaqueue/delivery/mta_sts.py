@@ -2,7 +2,7 @@
 HTTPS fetch of the policy (aiohttp), the cache in memory and in the state file.
 
 The decisions are policy/mta_sts.py's. Looked up when a recipient domain's MX route is
-(manager._route), off the delivery hot path: once per domain while its policy is cached,
+(placement.resolve), off the delivery hot path: once per domain while its policy is cached,
 and one fetch shared by every delivery that needs it.
 """
 

@@ -1,12 +1,13 @@
 """Revalidation's edge: ask the application (revalidate.url) whether late mail may still go.
 
-The decisions are policy/revalidate.py's; this module does the HTTP. The delivery manager
-asks it about a message due for an attempt (`wanted`, then `ask`) before routing it, so a
-message being checked holds no connection slot and waits for nothing but its own answer:
+The decisions are policy/revalidate.py's; this module does the HTTP. Placement
+(delivery/placement.py) asks it about a message due for an attempt (`wanted`, then `ask`)
+before routing it, so a message being checked holds no connection slot and waits for
+nothing but its own answer:
 the checks run beside delivery, at most MAX_IN_FLIGHT at once (the endpoint is the
 application's, often a small web service; the rest wait in line, oldest request first),
-each bounded by revalidate.timeout. The answer goes back to the manager as a decision
-(`on_decided`), which sends, cancels or holds the message.
+each bounded by revalidate.timeout. The answer goes back as a decision (`on_decided`,
+delivery/operations.py's `revalidated`), which sends, cancels or holds the message.
 
 The request is a POST of JSON {message_id, idempotency_key, class, tenant, age}, signed as
 the webhooks are (X-Mtaqueue-Signature, events/signing.py) when a secret is set.

@@ -1,10 +1,10 @@
 """The SMTP side of delivery: which hosts to try, one connection, one transaction.
 
 Whether a connection may open and which message goes on it is the scheduler core's
-decision (scheduler/core.py); the manager drives this for it.
+decision (scheduler/core.py); the pool (delivery/connections.py) drives this for it.
 
 The results are raw (`Reply`) plus their classification (`Verdict`); what to do
-about them is the manager's and the policy's business.
+about them is the pool's and the policy's business (delivery/outcomes.py, policy/settle.py).
 """
 
 from __future__ import annotations

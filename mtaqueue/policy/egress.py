@@ -12,7 +12,7 @@
   from then on, for IPV4_HOLD after the last such refusal.
 
 Destinations are named by their key without a source ("base"). All this state survives
-restarts (`encode`/`decode`, saved by the delivery manager); expired entries are dropped.
+restarts (`encode`/`decode`, saved by delivery/upkeep.py); expired entries are dropped.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ kept for people:
 - The rate never passes the configured ceiling (`messages_per_minute`, an operator's
   limit); a ceiling of 0 means none, not no pacing.
 
-What was learned survives restarts (`Learned`, saved by the manager) and decays toward
+What was learned survives restarts (`Learned`, saved by delivery/upkeep.py) and decays toward
 the slow start after hours without traffic: HALF_LIFE after QUIET, and a destination
 quiet for FORGET starts over. All times are seconds, rates messages per second.
 """

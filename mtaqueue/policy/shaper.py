@@ -248,7 +248,7 @@ class DestinationShaper:
 
     def at_rest(self, now: float) -> bool:
         """Nothing to remember: normal mode, a closed circuit, no operator's limit. (The
-        adaptive concurrency and the buckets start afresh harmlessly; the manager keeps
+        adaptive concurrency and the buckets start afresh harmlessly; the registry keeps
         what was learned, `learned()`.)"""
         state = self.state(now)
         return state.mode == "normal" and state.circuit == CLOSED and self._override is None
