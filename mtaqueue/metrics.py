@@ -46,7 +46,7 @@ from .alerts import DestinationStats, Snapshot
 from .control.views import in_review, recipient_state
 from .http_server import HttpServer
 from .logs import get_logger
-from .model import DEFERRED, QUEUED, Message
+from .model import PENDING, Message
 from .policy.breaker import CLOSED, HALF_OPEN, OPEN
 from .policy.verdict import DELIVERED
 from .spool.walk import walk
@@ -54,7 +54,6 @@ from .spool.walk import walk
 log = get_logger("metrics")
 
 OTHER = "other"
-PENDING = (QUEUED, DEFERRED)
 DEFERRALS = ("4xx", "none")  # as the scheduler's deferral rate: no reply counts as a 4xx
 CIRCUIT_STATES = (CLOSED, OPEN, HALF_OPEN)
 # From arrival to delivery: a good day is seconds, a bad one the retry ladder, up to the

@@ -18,6 +18,7 @@ EXPIRED = "expired"
 HELD = "held"
 RECIPIENT_STATES = (QUEUED, DEFERRED, DELIVERED, BOUNCED, EXPIRED, HELD)
 FINAL_STATES = frozenset({DELIVERED, BOUNCED, EXPIRED})
+PENDING = (QUEUED, DEFERRED)  # still to be delivered
 
 # Why a message is held (Message.held_reason). The operator's holds are the operator's to
 # end; the others are mtaqueue's own, waiting for someone to decide: the review queue

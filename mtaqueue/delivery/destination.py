@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..config import Pacing
-from ..model import DEFERRED, QUEUED, Message
+from ..model import PENDING, Message
 from ..policy.hosts import host_key
 from ..policy.replies import Reply
 from ..policy.shaper import DestinationShaper
@@ -159,7 +159,7 @@ class DestinationsView:
         relay = self._relay_of(message)
         seen: set[str] = set()
         for i, rcpt in enumerate(message.recipients):
-            if rcpt.state not in (QUEUED, DEFERRED) or i in in_transit:
+            if rcpt.state not in PENDING or i in in_transit:
                 continue
             domain = domain_of(rcpt.address)
             name = relay or self._owner.get(domain, domain)

@@ -1,6 +1,6 @@
 """The asyncio driver: the one clock and timer, and the only room that performs actions.
 
-    Driver(core, active, intake, placement, connections, outcomes, registry, tasks, clock)
+    Driver(core, active, intake, placement, connections, outcomes, registry, tasks, clock, rng)
     .now() -> float                      the clock every room is given
     .perform(actions)                    do what the core (and the rooms) decided
     .route_due(message_ids)              route due mail now (a revalidation's go-ahead)
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import Awaitable, Callable
 
 from ..logs import get_logger
@@ -49,6 +50,7 @@ class Driver:
         registry: Registry,
         tasks: Tasks,
         clock: Callable[[], float],
+        rng: random.Random,
     ) -> None:
         self.core = core
         self.active = active
@@ -59,6 +61,7 @@ class Driver:
         self.registry = registry
         self.tasks = tasks
         self.now = clock
+        self.rng = rng  # a circuit's release spread
         self.closing = False
         self._timer: asyncio.TimerHandle | None = None
         self._drain: asyncio.Future | None = None
@@ -118,7 +121,7 @@ class Driver:
         gives it in class order), not as a herd. Not an attempt: due times stay."""
         now = self.now()
         shaper = self.registry.destinations[action.destination].shaper
-        starts = shaper.released(now, len(action.items), self.placement.rng)
+        starts = shaper.released(now, len(action.items), self.rng)
         actions: list[Step] = []
         for item, start in zip(action.items, starts, strict=True):
             self.active.free(item.message_id, item.indexes)

@@ -98,11 +98,22 @@ class DeliveryManager:
             registry, placement, outcomes, core, active, spool, tasks, clock
         )
         self.driver = driver = Driver(
-            core, active, self.intake, placement, self.connections, outcomes, registry, tasks, clock
+            core,
+            active,
+            self.intake,
+            placement,
+            self.connections,
+            outcomes,
+            registry,
+            tasks,
+            clock,
+            rng,
         )
-        self.upkeep = Upkeep(driver, registry, placement, outcomes, self.intake, self.egress, spool)
-        self.operations = ops = Operations(driver, outcomes, registry, spool, resolver)
-        self.ramps = Ramps(driver, placement, self.upkeep)
+        self.upkeep = Upkeep(
+            driver, registry, placement, outcomes, self.intake, active, self.egress, spool
+        )
+        self.operations = ops = Operations(driver, outcomes, registry, active, spool, resolver)
+        self.ramps = Ramps(driver, placement, outcomes, registry, self.upkeep)
         self.hold, self.release, self.flush, self.requeue = (
             ops.hold,
             ops.release,
@@ -112,7 +123,6 @@ class DeliveryManager:
         self.delete, self.cancel, self.bounce = ops.delete, ops.cancel, ops.bounce
         self.limit, self.backoff, self.forget_learned = ops.limit, ops.backoff, ops.forget_learned
         self.warmups = self.ramps.show
-        self._started = False  # not started (delivery.enabled = false): nothing to save
         self.policies: Policies | None = None  # MTA-STS, made by reconfigure
         self.tls_reports: TlsReports | None = None  # TLS-RPT, made by reconfigure
         self.reconfigure(cfg)
@@ -162,14 +172,17 @@ class DeliveryManager:
             self.core.reclassify(classes)
         self.cfg, self.relays, self.sender = cfg, routes, sender
         self.notices.cfg = cfg
-        self.outcomes.configure(cfg, sender)
-        self.placement.configure(cfg, sender, self.policies, Pools(cfg), routes)
-        self.intake.configure(cfg, class_order({n: c.priority for n, c in cfg.classes.items()})[0])
+        order = class_order({n: c.priority for n, c in cfg.classes.items()})
+        self.outcomes.configure(cfg, sender, order[0])
+        self.placement.configure(cfg, sender, self.policies, Pools(cfg), routes, order)
+        self.intake.configure(cfg, order[0])
         self.connections.configure(sender)
         self.operations.configure(cfg)
         for key in self.registry.configure(cfg, routes.by_key(), secrets, now):
             log.info("relay_reconfigured", destination=key)
-        if self._started:  # a reload: what new pacing (or a fresh smarthost) allows goes now
+        if (
+            self.outcomes.started
+        ):  # a reload: what new pacing (or a fresh smarthost) allows goes now
             self.driver.perform(self.core.tick(now))
 
     # -- life ------------------------------------------------------------------------
@@ -181,7 +194,7 @@ class DeliveryManager:
         self.upkeep.load()
         self._sts.load()
         self._reports.load()
-        self._started = self.outcomes.started = True
+        self.outcomes.started = True  # (delivery.enabled = false: never; nothing to save)
         self.tasks.spawn(self.driver.read_queue(list(self.spool.messages)))
         self.tasks.spawn(self.upkeep.run())
         self.tasks.spawn(self._reports.run())
@@ -191,7 +204,7 @@ class DeliveryManager:
         await self.driver.close(grace)
         await self.revalidation.close()
         await self._sts.close()
-        if self._started:
+        if self.outcomes.started:
             await self._reports.close()
             self.upkeep.save(self.driver.now())
 
@@ -232,7 +245,7 @@ class DeliveryManager:
         return relay.key if relay is not None else None
 
     async def move_warmup(self, address: str, name: str | None, to_first: bool) -> list[dict]:
-        return await self.ramps.move(address, name, to_first, self._started)
+        return await self.ramps.move(address, name, to_first, self.outcomes.started)
 
     # -- hooks -------------------------------------------------------------------------
 

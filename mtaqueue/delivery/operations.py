@@ -1,6 +1,6 @@
 """Operator and API commands on the queue and its destinations (mtaqueue-ctl, the API).
 
-    Operations(driver, outcomes, placement, registry, spool, resolver)
+    Operations(driver, outcomes, registry, active, spool, resolver)
     .configure(cfg)
     .hold(messages, reason) / .release(messages) / .flush(messages) / .requeue(messages)
     .delete(messages) / .cancel(messages, reason) / .bounce(messages)   -> count
@@ -24,6 +24,7 @@ from ..policy.revalidate import CANCEL, HOLD
 from ..policy.settle import bounce_now, flushed
 from ..policy.shaper import DestinationShaper
 from ..routing.resolver import Resolver
+from ..scheduler.active import ActiveWindow
 from ..scheduler.core import OPERATOR
 from ..smtp.addresses import domain_of
 from ..spool.store import Spool
@@ -40,12 +41,14 @@ class Operations:
         driver: Driver,
         outcomes: Outcomes,
         registry: Registry,
+        active: ActiveWindow,
         spool: Spool,
         resolver: Resolver,
     ) -> None:
         self.driver = driver
         self.outcomes = outcomes
         self.registry = registry
+        self.active = active
         self.spool = spool
         self.resolver = resolver
 
@@ -111,7 +114,7 @@ class Operations:
         ids = {m.id for m in messages}
         self.outcomes.unqueue_messages(ids, self.driver.now())
         for message in messages:
-            self.outcomes.active.end(message.id)
+            self.active.end(message.id)
             journal(self.spool.remove(message.id, reason), message.id)
             log.info("deleted", id=message.id, sender=message.sender, reason=reason)
         return len(ids)
@@ -122,7 +125,7 @@ class Operations:
         ids = {m.id for m in messages}
         self.outcomes.unqueue(lambda item: item.message_id in ids, now)
         for message in messages:
-            self.outcomes.active.busy.pop(message.id, None)
+            self.active.busy.pop(message.id, None)
             settlement = bounce_now(message, now, "550 5.0.0 returned by the administrator")
             self.driver.perform(self.outcomes.apply(settlement, now))
         return len(ids)
@@ -132,7 +135,7 @@ class Operations:
         its recipients go on to routing, or it is cancelled (no DSN: the application said
         the mail no longer holds) or held for review. A message deleted, held or bounced
         meanwhile stays as the operator left it."""
-        self.outcomes.active.free(message_id, indexes)
+        self.active.free(message_id, indexes)
         message = self.spool.messages.get(message_id)
         if message is None or message.held or self.driver.closing:
             return

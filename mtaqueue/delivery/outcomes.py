@@ -1,7 +1,7 @@
 """What an attempt got, settled: the record's new state, its journal write, DSNs, events.
 
     Outcomes(spool, active, core, registry, notices, tasks, rng)
-    .configure(cfg, sender)                   settings of a start or a reload
+    .configure(cfg, sender, first_class)      settings of a start or a reload
     .schedule(message_id, due, now, reason)   -> actions (none before delivery starts)
     .finish(id, indexes, results, destination=, now=, retry_factor=)   -> actions
     .apply(settlement, now)                   -> actions: events, DSNs, suppressions, journal
@@ -24,9 +24,8 @@ from collections.abc import Callable
 from .. import config
 from ..events.derive import DONE
 from ..logs import get_logger
-from ..model import DEFERRED, HELD_BY_ERROR, QUEUED, Message, with_hold
+from ..model import HELD_BY_ERROR, PENDING, Message, with_hold
 from ..policy.backoff import RetryPolicy
-from ..policy.fairness import class_order
 from ..policy.replies import Reply
 from ..policy.settle import Result, Settlement, SettleSettings, settle
 from ..scheduler.actions import Action
@@ -42,7 +41,6 @@ from .tasks import Tasks
 log = get_logger("delivery")
 
 RECOVER_AFTER = 60.0  # retry delay after an unexpected error (a bug): not an attempt
-PENDING = (QUEUED, DEFERRED)
 
 
 class Outcomes:
@@ -68,13 +66,12 @@ class Outcomes:
         # message id -> the journaling of its record, waiting for its DSNs to be durable
         self._noticing: dict[str, asyncio.Future] = {}
 
-    def configure(self, cfg: config.Config, sender: Sender) -> None:
+    def configure(self, cfg: config.Config, sender: Sender, first_class: str) -> None:
         self.cfg = cfg
         self.sender = sender
-        first = class_order({n: c.priority for n, c in cfg.classes.items()})[0]
         self._settings = {
             name: SettleSettings(
-                retry=RetryPolicy.from_config(cfg.retry, first_class=name == first),
+                retry=RetryPolicy.from_config(cfg.retry, first_class=name == first_class),
                 lifetime=c.lifetime,
                 expire_action=c.expire_action,
                 delay_after=cfg.dsn.delay_after,

@@ -1,7 +1,7 @@
 """Where due mail goes: grouped by next hop, routed, and queued at a (source, destination).
 
     Placement(spool, active, registry, outcomes, core, resolver, egress, revalidation, rng)
-    .configure(cfg, sender, policies, pools, relays)       a start or a reload
+    .configure(cfg, sender, policies, pools, relays, order)   a start or a reload
     .group(message_ids, now) -> (batch, actions)   due recipients by next hop (one lookup
                                                    per hop, not per message)
     .resolve(hop, relay, work) -> Resolved (async)  MX lookup, MTA-STS applied
@@ -30,9 +30,8 @@ import msgspec
 
 from .. import config
 from ..logs import get_logger
-from ..model import DEFERRED, QUEUED, Message
+from ..model import PENDING, Message
 from ..policy.egress import EgressState
-from ..policy.fairness import class_order
 from ..policy.replies import Reply
 from ..policy.settle import THROTTLE_REQUEUES, Result
 from ..policy.verdict import BLOCKLIST, IPV6
@@ -55,7 +54,6 @@ from .warm_waits import WarmWaits
 
 log = get_logger("delivery")
 
-PENDING = (QUEUED, DEFERRED)
 # A batch of due mail, by where it goes: a next hop, and the smarthost it is (or None).
 Hop = tuple[NextHop, Relay | None]
 Work = list[tuple[Message, list[int]]]
@@ -94,11 +92,17 @@ class Placement:
         self.closing = False
 
     def configure(
-        self, cfg: config.Config, sender: Sender, policies: Policies, pools: Pools, relays: Relays
+        self,
+        cfg: config.Config,
+        sender: Sender,
+        policies: Policies,
+        pools: Pools,
+        relays: Relays,
+        order: list[str],
     ) -> None:
+        """`order`: the class names, the first class first (policy/fairness.class_order)."""
         self.cfg, self.sender, self.policies = cfg, sender, policies
         self.pools, self.relays = pools, relays
-        order = class_order({n: c.priority for n, c in cfg.classes.items()})
         self.class_rank = {name: rank for rank, name in enumerate(order)}
 
     # -- due mail, by next hop ---------------------------------------------------------

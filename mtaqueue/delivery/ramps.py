@@ -1,6 +1,6 @@
 """Warm-up ramps as the operator sees and moves them (mtaqueue-ctl warmup, domains).
 
-    Ramps(driver, placement, upkeep)
+    Ramps(driver, placement, outcomes, registry, upkeep)
     .show(address) -> [dict]                 each ramp of the warming sources (of one)
     .move(address, name, to_first) -> [dict] (async) back to the first step, or finished
     .unrouted(live) -> [dict]                ramps with no live destination, for `domains`
@@ -21,17 +21,27 @@ from ..scheduler.actions import Action
 from ..scheduler.core import OPERATOR
 from .destination import sourced
 from .driver import Driver
+from .outcomes import Outcomes
 from .placement import Placement
-from .registry import named
+from .registry import Registry, named
 from .upkeep import Upkeep
 
 log = get_logger("delivery")
 
 
 class Ramps:
-    def __init__(self, driver: Driver, placement: Placement, upkeep: Upkeep) -> None:
+    def __init__(
+        self,
+        driver: Driver,
+        placement: Placement,
+        outcomes: Outcomes,
+        registry: Registry,
+        upkeep: Upkeep,
+    ) -> None:
         self.driver = driver
         self.placement = placement
+        self.outcomes = outcomes
+        self.registry = registry
         self.upkeep = upkeep
         self.egress = placement.egress
 
@@ -72,7 +82,7 @@ class Ramps:
                 actions += self.placement.replace_queued(sourced(base, source), now)
             else:
                 for message_id in self.placement.warm.release(base, now):
-                    actions += self.placement.outcomes.schedule(message_id, now, now, OPERATOR)
+                    actions += self.outcomes.schedule(message_id, now, now, OPERATOR)
         self.driver.perform(actions)
         await asyncio.to_thread(self.upkeep.save_egress, self.egress.encode(now))
         return entries
@@ -114,7 +124,7 @@ class Ramps:
             found = known
         else:
             name = name.lower().removesuffix(f"@{source.address}")
-            destinations = self.placement.registry.destinations
+            destinations = self.registry.destinations
             live = (destinations.get(sourced(base, source)) for base in known)
             found = [
                 base

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from .. import config
 from ..logs import get_logger
-from ..model import DEFERRED, QUEUED
+from ..model import PENDING
 from ..policy import rate_learner
 from ..policy.egress import EgressState
 from ..policy.shaper import DestinationShaper, pacing_for, stated_rate
@@ -40,7 +40,6 @@ from .sender import Sender
 log = get_logger("delivery")
 
 Steer = Callable[[DestinationShaper, float], None]
-PENDING = (QUEUED, DEFERRED)
 
 
 class Registry:

@@ -1,6 +1,6 @@
 """Upkeep: the sweep for expired mail and quiet destinations, and the state files.
 
-    Upkeep(driver, registry, placement, outcomes, intake, egress, spool)
+    Upkeep(driver, registry, placement, outcomes, intake, active, egress, spool)
     .load()                      learned.json and egress.json, at start
     .run() (async)               every EXPIRY_CHECK seconds until the stop
     .expire(now) (async)         expire mail whose lifetime has passed
@@ -20,6 +20,7 @@ from ..logs import get_logger
 from ..policy import rate_learner
 from ..policy.egress import EgressState
 from ..policy.settle import expire_due
+from ..scheduler.active import ActiveWindow
 from ..spool import statefile
 from ..spool.store import Spool
 from ..spool.walk import chunks
@@ -42,6 +43,7 @@ class Upkeep:
         placement: Placement,
         outcomes: Outcomes,
         intake: Intake,
+        active: ActiveWindow,
         egress: EgressState,
         spool: Spool,
     ) -> None:
@@ -50,6 +52,7 @@ class Upkeep:
         self.placement = placement
         self.outcomes = outcomes
         self.intake = intake
+        self.active = active
         self.egress = egress
         self.layout = spool.layout
         self.messages = spool.messages
@@ -105,7 +108,7 @@ class Upkeep:
         self.outcomes.unqueue(lambda item: item.message_id in due, now)
         for message_id in due:
             message = self.messages.get(message_id)
-            if message is None or self.outcomes.active.busy.get(message_id):
+            if message is None or self.active.busy.get(message_id):
                 continue  # in transit: the next sweep
             settlement = expire_due(message, now, settings(message.klass))
             if settlement is not None:
