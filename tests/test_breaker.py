@@ -230,3 +230,30 @@ class Breaker(RuleBasedStateMachine):
 
 
 TestBreaker = Breaker.TestCase
+
+
+def test_probe_opens_the_door_for_one_connection(breaker):
+    trip(breaker, 0.0)
+    assert breaker.wait(1.0) == pytest.approx(COOLDOWN - 1.0)
+    breaker.probe(1.0)  # an operator's flush: no waiting out the cooldown
+    assert breaker.state(1.0) == HALF_OPEN
+    assert breaker.allow(1.0)
+    assert not breaker.allow(1.0)  # one probe, not a storm
+    breaker.failure(2.0)  # still down: open again, for the next cooldown
+    assert breaker.state(2.0) == OPEN and breaker.wait(2.0) == pytest.approx(2 * COOLDOWN)
+
+
+def test_probe_of_a_closed_breaker_lets_one_through_and_closes_on_success(breaker):
+    breaker.probe(0.0)
+    assert breaker.allow(0.0) and not breaker.allow(0.0)
+    assert breaker.wait(0.0) == math.inf  # until the probe reports
+    breaker.success(1.0)
+    assert breaker.state(1.0) == CLOSED and breaker.trips == 0
+    assert all(breaker.allow(1.0) for _ in range(10))
+
+
+def test_a_failed_probe_of_a_closed_breaker_opens_it_for_the_base_cooldown(breaker):
+    breaker.probe(0.0)
+    assert breaker.allow(0.0)
+    breaker.failure(1.0)
+    assert breaker.state(1.0) == OPEN and breaker.wait(1.0) == pytest.approx(COOLDOWN)

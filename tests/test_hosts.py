@@ -333,3 +333,28 @@ class Suspensions(RuleBasedStateMachine):
 
 
 TestSuspensions = Suspensions.TestCase
+
+
+def test_lift_releases_every_source_now_and_keeps_the_streak(hosts):
+    down = Reply("banner", 421, "4.3.2", "Service not available")
+    hosts.failed("mx.example.org", 0.0, down, "192.0.2.1")
+    hosts.failed("mx.example.org", 0.0, down, "192.0.2.2")
+    assert [s.source for s in hosts.suspensions(1.0)] == ["192.0.2.1", "192.0.2.2"]
+    assert hosts.suspensions(1.0)[0].reason == down
+    assert hosts.lift("mx.example.org", 1.0)
+    assert not hosts.suspended("mx.example.org", 1.0, "192.0.2.1")
+    assert hosts.suspensions(1.0) == []
+    assert not hosts.lift("mx.example.org", 1.0)  # nothing left to lift
+    assert not hosts.lift("other.example.org", 1.0)
+    # Failing again at once: the streak goes on, the suspension doubles.
+    assert hosts.failed("mx.example.org", 1.0, down, "192.0.2.1") == 1.0 + 2 * BASE
+    [entry] = hosts.suspensions(2.0)
+    assert entry.failures == 2 and entry.until == 1.0 + 2 * BASE
+
+
+def test_suspensions_lists_those_in_force_latest_release_last(hosts):
+    hosts.failed("b.example.org", 10.0)
+    hosts.failed("a.example.org", 0.0)
+    assert [s.host for s in hosts.suspensions(20.0)] == ["a.example.org", "b.example.org"]
+    assert [s.host for s in hosts.suspensions(65.0)] == ["b.example.org"]
+    assert hosts.suspensions(75.0) == []

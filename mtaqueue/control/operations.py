@@ -1,5 +1,5 @@
 """Control commands that steer delivery: hold, release, flush, domains, limit, backoff,
-forget, warmup, tls-report."""
+forget, hosts, unsuspend, warmup, tls-report."""
 
 from __future__ import annotations
 
@@ -83,6 +83,17 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
     async def forget(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         yield {"destinations": manager.forget_learned(_name(args))}
 
+    async def hosts(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        for entry in manager.suspended_hosts():
+            yield entry
+
+    async def unsuspend(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        host, domain = args.get("host"), args.get("domain")
+        named = [isinstance(name, str) and bool(name) for name in (host, domain)]
+        if named.count(True) != 1:
+            raise CommandError("name a HOST or a --domain (one of them)")
+        yield manager.unsuspend(host=host or None, domain=domain or None)
+
     async def warmup_show(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         source = args.get("source")
         if source is not None and not isinstance(source, str):
@@ -128,6 +139,8 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
         "limit": limit,
         "backoff": backoff,
         "forget": forget,
+        "hosts": hosts,
+        "unsuspend": unsuspend,
         "warmup_show": warmup_show,
         "warmup_restart": warmup_move(to_first=True),
         "warmup_finish": warmup_move(to_first=False),

@@ -7,6 +7,7 @@ the daemon, mtaqueue-ctl and the API use.
     .on_accepted(message)        a new message is durable: due now
     .hold .release .flush .requeue .delete .cancel .bounce    (messages) -> count
     .limit .backoff .forget_learned                           (destination name) -> count
+    .unsuspend(host=, domain=) / .suspended_hosts()           host suspensions lifted, shown
     .warmups(address) / .move_warmup(address, name, to_first)
     .domains() / .view() / .waiting_for(message_id) / .relay_of(message)
     .scheduled() -> {reason: count}                          schedules by reason (metrics)
@@ -112,7 +113,9 @@ class DeliveryManager:
         self.upkeep = Upkeep(
             driver, registry, placement, outcomes, self.intake, active, self.egress, spool
         )
-        self.operations = ops = Operations(driver, outcomes, registry, active, spool, resolver)
+        self.operations = ops = Operations(
+            driver, outcomes, registry, active, spool, resolver, self.hosts
+        )
         self.ramps = Ramps(driver, placement, outcomes, registry, self.upkeep)
         self.hold, self.release, self.flush, self.requeue = (
             ops.hold,
@@ -122,6 +125,7 @@ class DeliveryManager:
         )
         self.delete, self.cancel, self.bounce = ops.delete, ops.cancel, ops.bounce
         self.limit, self.backoff, self.forget_learned = ops.limit, ops.backoff, ops.forget_learned
+        self.unsuspend, self.suspended_hosts = ops.unsuspend, ops.suspended
         self.warmups = self.ramps.show
         self.policies: Policies | None = None  # MTA-STS, made by reconfigure
         self.tls_reports: TlsReports | None = None  # TLS-RPT, made by reconfigure

@@ -1,16 +1,24 @@
 """Operator and API commands on the queue and its destinations (mtaqueue-ctl, the API).
 
-    Operations(driver, outcomes, registry, active, spool, resolver)
+    Operations(driver, outcomes, registry, active, spool, resolver, hosts)
     .configure(cfg)
     .hold(messages, reason) / .release(messages) / .flush(messages) / .requeue(messages)
     .delete(messages) / .cancel(messages, reason) / .bounce(messages)   -> count
     .limit(name, rate, concurrency, until) / .backoff(name, until)      -> destinations
     .forget_learned(name) -> count
+    .unsuspend(host=, domain=) -> {"hosts": [...], "destinations": [...]}
+    .suspended(now) -> [dict]                     mtaqueue-ctl hosts
     .revalidated(message_id, indexes, decision)   the application's answer (revalidation)
 
 Each reads the clock once, changes records through the spool, and hands what the core
-decides to the driver. A flush still goes through pacing, the breaker and the greylisting
-minimum: it never hammers a receiver.
+decides to the driver. A flush lifts what holds its mail back, as Postfix's `postqueue -f`
+re-enables dead destinations (qmgr_enable_all): the host suspensions and an open breaker of
+the destinations its mail was routed to. Each of those gets one probe connection (its
+breaker half-open), whose answer decides: a host still dead costs one connect and is
+suspended again, for longer. Pacing, learned limits and the greylisting minimum still
+apply to what a flush releases: it never hammers a receiver. `unsuspend` lifts the same
+way without touching retry times: mail that waited on the suspension is due again at its
+own time.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import msgspec
 from .. import config
 from ..logs import get_logger
 from ..model import HELD_BY_OPERATOR, HELD_BY_REVALIDATION, Message, with_hold, without_hold
+from ..policy.breaker import CLOSED
+from ..policy.hosts import HostSuspensions, host_key
 from ..policy.revalidate import CANCEL, HOLD
 from ..policy.settle import bounce_now, flushed
 from ..policy.shaper import DestinationShaper
@@ -28,6 +38,7 @@ from ..scheduler.active import ActiveWindow
 from ..scheduler.core import OPERATOR
 from ..smtp.addresses import domain_of
 from ..spool.store import Spool
+from .destination import Destination
 from .driver import Driver
 from .outcomes import Outcomes, earliest_due, journal
 from .registry import Registry, Steer
@@ -44,8 +55,10 @@ class Operations:
         active: ActiveWindow,
         spool: Spool,
         resolver: Resolver,
+        hosts: HostSuspensions,
     ) -> None:
         self.driver = driver
+        self.hosts = hosts
         self.outcomes = outcomes
         self.registry = registry
         self.active = active
@@ -81,8 +94,11 @@ class Operations:
         return count
 
     def flush(self, messages: list[Message]) -> int:
-        """Make deferred mail due now (still paced)."""
+        """Make deferred mail due now (still paced), its destinations lifted (see above)."""
         now = self.driver.now()
+        ids = {m.id for m in messages if not m.held}
+        routed = [d for d in self.registry.destinations.values() if not d.waiting.isdisjoint(ids)]
+        self._lift(routed, now, "flush")
         count = 0
         for message in messages:
             if message.held:
@@ -165,6 +181,65 @@ class Operations:
     def forget_learned(self, name: str) -> int:
         return self.registry.forget_learned(name, self.driver.now())
 
+    def unsuspend(self, host: str | None = None, domain: str | None = None) -> dict:
+        """Lift the suspension of `host` (a name, or name:port as `hosts` shows it), or of
+        every host of the destinations serving `domain`; see the module's docstring."""
+        now = self.driver.now()
+        if domain is not None:
+            destinations = self.registry.matching(domain.lower())
+            named = {key for d in destinations for key in _host_keys(d)}
+        else:
+            wanted = (host or "").lower()
+            named = {s.host for s in self.hosts.suspensions(now) if _names(s.host, wanted)}
+            destinations = [
+                d for d in self.registry.destinations.values() if named & set(_host_keys(d))
+            ]
+        lifted = sorted(key for key in named if self.hosts.lift(key, now))
+        keys = self._lift(destinations, now, "unsuspend", probe=bool(lifted))
+        for destination in destinations:
+            for message_id in list(destination.waiting):
+                message = self.spool.messages.get(message_id)
+                due = earliest_due(message) if message is not None and not message.held else None
+                if due is not None:
+                    self._schedule(message_id, due, now)
+        return {"hosts": lifted, "destinations": keys}
+
+    def suspended(self) -> list[dict]:
+        """The host suspensions in force, with the destinations using each host."""
+        now = self.driver.now()
+        using: dict[str, list[str]] = {}
+        for destination in self.registry.destinations.values():
+            for key in _host_keys(destination):
+                using.setdefault(key, []).append(destination.key)
+        return [
+            {
+                "host": s.host,
+                "source": s.source or None,  # "*": every source (the host is down)
+                "until": s.until,
+                "failures": s.failures,
+                "reply": s.reason.line() if s.reason is not None else None,
+                "destinations": sorted(using.get(s.host, [])),
+            }
+            for s in self.hosts.suspensions(now)
+        ]
+
+    def _lift(
+        self, destinations: list[Destination], now: float, by: str, *, probe: bool = False
+    ) -> list[str]:
+        """Lift the host suspensions and open breakers of `destinations` (`probe`: even
+        if nothing of theirs was held back): one probe connection each may go now. The
+        keys of those lifted."""
+        keys = []
+        for destination in destinations:
+            hosts = [key for key in _host_keys(destination) if self.hosts.lift(key, now)]
+            if probe or hosts or destination.shaper.breaker.state(now) != CLOSED:
+                destination.shaper.probe(now)
+                keys.append(destination.key)
+                log.info("destination_lifted", destination=destination.key, hosts=hosts, by=by)
+        if keys:
+            self.driver.perform(self.driver.core.tick(now, *keys))
+        return keys
+
     def _steer(self, name: str, apply: Steer) -> int:
         """Apply to matching destinations now, and to one that appears later."""
         now = self.driver.now()
@@ -172,3 +247,17 @@ class Operations:
         # Idle connections over a lowered limit close; a raised one may open more.
         self.driver.perform(self.driver.core.tick(now, *keys))
         return len(keys)
+
+
+def _host_keys(destination: Destination) -> list[str]:
+    return [host_key(name, destination.port) for name in destination.hosts]
+
+
+def _names(key: str, host: str) -> bool:
+    """Whether the operator's `host` means host key `key` (see host_key): the key itself,
+    or its name without the port."""
+    if key.startswith("["):  # "[::1]:2525"
+        name = key[1 : key.index("]")]
+    else:  # "mx.example.org", "mx.example.org:2525", "::1" (port 25)
+        name = key.split(":")[0] if key.count(":") == 1 else key
+    return host in (key, name)

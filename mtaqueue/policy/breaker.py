@@ -1,5 +1,9 @@
 """Circuit breaker of one destination: stop knocking on a door that keeps failing.
 
+    CircuitBreaker(failures, window, cooldown, cooldown_max)
+    .state(now) -> CLOSED | OPEN | HALF_OPEN     .wait(now) -> seconds     .allow(now) -> bool
+    .failure(now) .success(now) .trip(now) .probe(now)
+
 closed: attempts flow. `failures` failures (connection failures, 421s at the greeting,
 timeouts) within `window` seconds trip it; a success in between starts the count over, so
 a site that mostly answers never trips (Postfix's cohort limit of 1 kills a destination on
@@ -9,7 +13,8 @@ open: no attempts for the cooldown, which doubles with each consecutive trip up 
 `cooldown_max`. Failures reported while open come from connections that were in flight
 when it tripped: one outage, counted once.
 
-`trip` opens it at once, for a failure that every attempt would repeat.
+`trip` opens it at once, for a failure that every attempt would repeat; `probe` makes it
+half-open at once (an operator's flush or unsuspend).
 
 half-open: after the cooldown, one probe connection is allowed. Its success closes the
 breaker (and forgets the trips); its failure opens it again for the next, longer cooldown.
@@ -97,6 +102,15 @@ class CircuitBreaker:
             self._probe_at = None
             self.trips = 0
 
+    def probe(self, now: float) -> None:
+        """Half-open now, whatever the cooldown left: an operator's flush or unsuspend.
+        One probe connection goes and its answer decides (a success closes, a failure opens
+        for the next cooldown). A closed breaker turns half-open too, so that hosts just
+        lifted get one connection, not a storm, until one of them answers."""
+        self.reopen_at = now
+        self._probe_at = None
+        self._recent.clear()
+
     def _trip(self, now: float) -> None:
         self.trips += 1
         self.reopen_at = now + self._current_cooldown()
@@ -104,4 +118,6 @@ class CircuitBreaker:
         self._recent.clear()
 
     def _current_cooldown(self) -> float:
-        return min(self.cooldown_max, self.cooldown * 2.0 ** min(self.trips - 1, _MAX_DOUBLINGS))
+        # No trip yet: a closed breaker an operator made half-open (probe).
+        doublings = min(max(self.trips - 1, 0), _MAX_DOUBLINGS)
+        return min(self.cooldown_max, self.cooldown * 2.0**doublings)

@@ -1,5 +1,12 @@
 """Per-host suspend timers: an MX host that fails is left alone for a while.
 
+    HostSuspensions(base, maximum)
+    .failed(host, now, reply, source) -> until      .succeeded(host, source)
+    .suspended / .until / .reason (host, now, source); .available / .next_release (hosts)
+    .lift(host, now) -> bool            an operator's flush or unsuspend, for every source
+    .suspensions(now) -> [Suspension]   every one in force (mtaqueue-ctl hosts)
+    .snapshot(now, source) -> {host: until}
+
 A host that fails (connect, greeting, EHLO, TLS) is suspended for `base`, doubling with
 each consecutive failure up to `maximum`; a success resets it. The caller skips suspended
 hosts and tries the next MX; when a destination has none left it waits for
@@ -12,6 +19,11 @@ one-minute suspension into sixteen.
 A host is remembered after its release so that failing again right away keeps doubling;
 one released for longer than `maximum` without failing starts over. Such entries are
 dropped lazily, and at most `limit` hosts are remembered (the longest quiet go first).
+
+An operator's flush or `unsuspend` lifts a suspension (`lift`) but keeps the streak: the
+caller lets one probe connection through (the destination's breaker, half-open), and a
+host still dead is suspended again, for longer, after that one connect (Postfix's
+`postqueue -f` re-enables dead destinations the same way, qmgr_enable_all).
 
 A host is a name and a port (`host_key`): two servers behind one address on different
 ports are two hosts, and one failing does not suspend the other.
@@ -56,6 +68,16 @@ def host_key(name: str, port: int) -> str:
 def silent(reply: Reply | None) -> bool:
     """Whether the host said nothing at all (no reply known: none either)."""
     return reply is None or (reply.code == 0 and reply.network in _SILENT)
+
+
+class Suspension(msgspec.Struct, frozen=True):
+    """One suspension in force, as `mtaqueue-ctl hosts` shows it."""
+
+    host: str  # host_key: "mx1.example.org", "relay.example.org:2525"
+    source: str  # the pool address it is suspended for; "" the default, EVERY all
+    until: float
+    failures: int  # consecutive: the suspension doubles with each
+    reason: Reply | None  # the failure that started the outage
 
 
 class _Entry(msgspec.Struct, frozen=True):
@@ -138,6 +160,27 @@ class HostSuspensions:
                 return None
             releases.append(until)
         return min(releases, default=None)
+
+    def lift(self, host: str, now: float) -> bool:
+        """An operator lifts `host`'s suspension for every source (flush, unsuspend): it
+        is released now, its streak kept, so that failing again at once suspends it for
+        longer. Whether it was suspended for any source."""
+        entries = self._hosts.get(host, {})
+        held = [source for source, entry in entries.items() if now < entry.until]
+        for source in held:
+            entries[source] = msgspec.structs.replace(entries[source], until=now)
+        return bool(held)
+
+    def suspensions(self, now: float) -> list[Suspension]:
+        """Every suspension in force, the latest release last (`mtaqueue-ctl hosts`)."""
+        self._forget(now)
+        found = [
+            Suspension(host, source, entry.until, entry.failures, entry.reason)
+            for host, entries in self._hosts.items()
+            for source, entry in entries.items()
+            if now < entry.until
+        ]
+        return sorted(found, key=lambda s: (s.until, s.host, s.source))
 
     def snapshot(self, now: float, source: str = "") -> dict[str, float]:
         """Hosts suspended for `source` and until when, for the control socket."""

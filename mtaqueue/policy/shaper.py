@@ -193,6 +193,11 @@ class DestinationShaper:
             baseline = self.concurrency.baseline or 0.0
             self.learner.throttled(now, f"latency {seconds:.3f}s over a {baseline:.3f}s baseline")
 
+    def probe(self, now: float) -> None:
+        """An operator lifted what held the destination back (flush, unsuspend): one probe
+        connection may go now, whatever the breaker's cooldown; pacing still applies."""
+        self.breaker.probe(now)
+
     def retry_factor(self, now: float) -> float:
         """Stretch for the retry intervals of this destination's transient failures."""
         return self.backoff.retry_factor(now)

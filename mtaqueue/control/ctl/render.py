@@ -3,6 +3,7 @@
 API: one `show_*(reply, out)` per kind of reply writes its objects as text for people:
 `show_status`, `show_list`, `show_message`, `show_review`, `show_affected` (what hold,
 flush, ... did), `show_domains`, `show_webhooks`, `show_steered` (limit, backoff, forget),
+`show_hosts`, `show_unsuspended`,
 `show_warmup`, `show_tls_reports`, `show_suppressions`, `show_qshape`. `print_json` writes
 any reply as JSON Lines (--json), an object as it arrives. `time(epoch)` and
 `duration(seconds)` are how every table writes those. `Reply`: a reply's data objects.
@@ -273,6 +274,28 @@ def show_steered(reply: Reply, out: TextIO) -> None:
     for result in reply:
         until = f" until {time(result['until'])}" if result.get("until") else ""
         out.write(f"applied to {result['destinations']} destination(s){until}\n")
+
+
+def show_hosts(reply: Reply, out: TextIO) -> None:
+    count = 0
+    for entry in reply:
+        count += 1
+        source = {None: "", "*": " (every source)"}.get(entry["source"], f" from {entry['source']}")
+        out.write(
+            f"{entry['host']}{source} until {time(entry['until'])}"
+            f" (failure {entry['failures']}): {entry['reply'] or '-'}\n"
+        )
+        if entry["destinations"]:
+            out.write(f"  destinations: {', '.join(entry['destinations'])}\n")
+    if not count:
+        out.write("no host is suspended\n")
+
+
+def show_unsuspended(reply: Reply, out: TextIO) -> None:
+    for result in reply:
+        hosts = ", ".join(result["hosts"]) or "no suspended host"
+        probed = len(result["destinations"])
+        out.write(f"lifted: {hosts}; {probed} destination(s) get a probe connection now\n")
 
 
 def show_warmup(reply: Reply, out: TextIO) -> None:

@@ -184,6 +184,20 @@ def _forget_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "forget", {"domain": args.domain}
 
 
+def _hosts_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "hosts", {}
+
+
+def _unsuspend_options(parser: argparse.ArgumentParser) -> None:
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("host", nargs="?", help="a host as `hosts` shows it, or its name")
+    which.add_argument("--domain", help="every host of the destinations serving this domain")
+
+
+def _unsuspend_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    return "unsuspend", {"host": args.host, "domain": args.domain}
+
+
 def _dkim_options(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = actions.add_parser(
@@ -327,6 +341,18 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         _forget_options,
         _forget_request,
         render.show_steered,
+    ),
+    "hosts": Subcommand(
+        "suspended hosts: the reply that suspended each, and until when",
+        _no_options,
+        _hosts_request,
+        render.show_hosts,
+    ),
+    "unsuspend": Subcommand(
+        "lift a host's suspension (HOST, or --domain D): one probe connection goes now",
+        _unsuspend_options,
+        _unsuspend_request,
+        render.show_unsuspended,
     ),
     "dkim": Subcommand(
         "DKIM keys: check DOMAIN prints the DNS records to publish and checks the DNS",
