@@ -24,6 +24,8 @@ Rules are config tables ([[alerts.rules]], picked by `type`); a rule names one s
 - review_oldest_age: the message longest in review has waited there more than `over`:
   seed 004's "no review queue without an owner", the owner being paged when nobody acts.
 Both have the one subject "review".
+- sender_blocked: a destination is paused because it refused our address (a block list,
+  our reputation: policy/shaper.py's blocked_by), until its probe gets another answer.
 - webhook_backlog: the oldest event a webhook endpoint has not taken is older than `over`
   (the endpoint is down or too slow; at its `max_age` events start being dropped). The
   subject is the webhook's name.
@@ -42,6 +44,7 @@ from .config.alert_rules import (
     OldestAge,
     ReviewOldestAge,
     ReviewSize,
+    SenderBlocked,
     SpoolFree,
     WebhookBacklog,
 )
@@ -56,6 +59,7 @@ class DestinationStats:
     depth: int  # pending recipients: queued or deferred, not held
     attempts: int  # attempts counted so far; may start over from 0 (then it is a new count)
     deferrals: int  # of those, answered 4xx or not at all
+    blocked: bool = False  # paused: the site refused our address (shaper's blocked_by)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +192,10 @@ class Alerts:
             case ReviewOldestAge():
                 age = snapshot.review_oldest_age
                 measured[REVIEW] = (round(age, 1), age > rule.over)
+            case SenderBlocked():
+                for name in _subjects(rule.destination, snapshot.destinations):
+                    blocked = snapshot.destinations[name].blocked
+                    measured[name] = (int(blocked), blocked)
             case WebhookBacklog():
                 for name in _subjects(rule.webhook, snapshot.webhooks):
                     age = snapshot.webhooks[name]

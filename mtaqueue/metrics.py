@@ -202,11 +202,14 @@ class Metrics:
         """The queue measured for `alerts.Alerts.evaluate`, every destination by name."""
         shape = self._measure()
         names = shape.depth.keys() | self._replies.keys()
+        blocked = {d["destination"] for d in shape.destinations if d.get("blocked_by")}
         return Snapshot(
             oldest={klass: now - created for klass, created in shape.queue.oldest.items()},
             destinations={
-                name: DestinationStats(shape.depth[name], *self._replies.get(name, (0, 0)))
-                for name in names
+                name: DestinationStats(
+                    shape.depth[name], *self._replies.get(name, (0, 0)), name in blocked
+                )
+                for name in names | blocked
             },
             spool_free=self.sources.free_bytes(),
             review_size=shape.queue.review,

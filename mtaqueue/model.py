@@ -27,7 +27,10 @@ HELD_BY_OPERATOR = "operator"  # mtaqueue-ctl hold (and "" in records older than
 HELD_AT_EXPIRY = "expired"  # its class's expire_action is "hold"
 HELD_BY_REVALIDATION = "revalidation"  # the application could not be asked (on_error "hold")
 HELD_BY_ERROR = "error"  # its record could not be settled (a bug): kept for an operator
-REVIEW_REASONS = frozenset({HELD_AT_EXPIRY, HELD_BY_REVALIDATION, HELD_BY_ERROR})
+HELD_BY_SENDER_BLOCK = "sender_block"  # a site refused our sending; on_sender_block "hold"
+REVIEW_REASONS = frozenset(
+    {HELD_AT_EXPIRY, HELD_BY_REVALIDATION, HELD_BY_ERROR, HELD_BY_SENDER_BLOCK}
+)
 
 
 MAX_HISTORY = 20  # attempts kept per recipient (the oldest are dropped)

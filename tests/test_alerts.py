@@ -19,6 +19,7 @@ from mtaqueue.alerts import (
     OldestAge,
     ReviewOldestAge,
     ReviewSize,
+    SenderBlocked,
     Snapshot,
     SpoolFree,
     WebhookBacklog,
@@ -188,6 +189,21 @@ def test_a_webhook_backlog_alerts_while_its_oldest_event_waits_too_long():
     assert (event["name"], event["subject"], event["state"]) == ("webhook_backlog", "app", FIRING)
     [event] = alerts.evaluate(20, Snapshot({}, {}, GIB, webhooks={"app": 0.0, "crm": 0.0}))
     assert (event["subject"], event["state"]) == ("app", CLEARED)
+
+
+def test_a_destination_that_refused_our_address_alerts_until_it_takes_mail_again():
+    alerts = Alerts([SenderBlocked()])
+    blocked = DestinationStats(5, 1, 1, blocked=True)
+    assert alerts.evaluate(0, snap(destinations={"mx.example.org": stats(5)})) == []
+    events = alerts.evaluate(1, snap(destinations={"mx.example.org": blocked}))
+    assert states(events) == [("sender_blocked", "mx.example.org", FIRING)]
+    assert alerts.evaluate(2, snap(destinations={"mx.example.org": blocked})) == []
+    events = alerts.evaluate(3, snap(destinations={"mx.example.org": stats(0, 2, 1)}))
+    assert states(events) == [("sender_blocked", "mx.example.org", CLEARED)]
+
+
+def test_the_shipped_default_alerts_on_a_blocked_sender():
+    assert config.Config().alerts.rules == [SenderBlocked()]
 
 
 def test_rules_decode_from_the_config_with_its_units():

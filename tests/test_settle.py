@@ -6,6 +6,8 @@ log events out. The replies go through the real classify(), as in the delivery m
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 from fake_random import HIGH, LOW
@@ -778,3 +780,48 @@ def test_flush_is_never_before_now_nor_inside_the_window(last, now, window, kind
         assert due == max(T0 + now, T0 + last + window)
     else:
         assert due == T0 + now
+
+
+# Our address on a block list, at MAIL FROM: about us, not about the recipients.
+LISTED = Reply(
+    "mail",
+    554,
+    "5.7.1",
+    "Service unavailable; Client host [192.0.2.1] blocked using zen.spamhaus.org",
+)
+
+
+def about_us(action: str) -> SettleSettings:
+    return dataclasses.replace(settings(), on_sender_block=action)
+
+
+def test_a_reply_about_our_sending_defers_every_recipient_by_default():
+    msg = message(rcpt("a@example.net"), rcpt("b@example.net"))
+    out = run(msg, got(0, LISTED), got(1, LISTED), now=T0)
+    assert [r.state for r in out.message.recipients] == [DEFERRED, DEFERRED]
+    assert not out.failed and not out.suppress and not out.message.held
+
+
+def test_on_sender_block_hold_holds_the_message_for_review():
+    msg = message(rcpt("a@example.net"), rcpt("b@example.net"))
+    out = run(msg, got(0, LISTED), got(1, LISTED), now=T0, settings=about_us("hold"))
+    assert out.message.held and out.message.held_reason == "sender_block"
+    assert [r.state for r in out.message.recipients] == [DEFERRED, DEFERRED]
+    [held] = [e for e in out.events if e["event"] == "sender_block_held"]
+    assert held["kind"] == "blocklist" and "zen.spamhaus.org" in held["reply"]
+    assert not out.failed and not out.suppress
+
+
+def test_on_sender_block_bounce_bounces_without_suppressing():
+    msg = message(rcpt("a@example.net"))
+    out = run(msg, got(0, LISTED), now=T0, settings=about_us("bounce"))
+    assert out.message.recipients[0].state == BOUNCED
+    assert [r.status for r in out.failed] == ["5.7.1"]
+    assert not out.suppress  # the recipient did nothing wrong
+
+
+def test_on_sender_block_leaves_other_replies_alone():
+    msg = message(rcpt("a@example.net"), rcpt("b@example.net"))
+    out = run(msg, got(0, NO_USER), got(1, TEMP), now=T0, settings=about_us("hold"))
+    assert [r.state for r in out.message.recipients] == [BOUNCED, DEFERRED]
+    assert not out.message.held

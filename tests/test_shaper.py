@@ -707,3 +707,35 @@ def test_at_rest_only_with_nothing_to_remember():
     for _ in range(5):
         shaper.connect_failed(22.0)
     assert not shaper.at_rest(22.0)  # the circuit is open
+
+
+LISTED = Reply("mail", 554, "5.7.1", "Client host [192.0.2.1] blocked using zen.spamhaus.org")
+UNAUTHENTICATED = Reply("rcpt", 550, "5.7.26", "This mail is unauthenticated (DMARC policy)")
+
+
+def test_our_address_refused_pauses_the_destination_for_the_sender_block_pause():
+    shaper = shaper_at(sender_block_pause=1800.0)
+    report(shaper, 10.0, LISTED)
+    snap = shaper.snapshot(10.0)
+    assert (snap["circuit"], snap["reopen_at"]) == ("open", 1810.0)
+    assert snap["blocked_by"].startswith("554 5.7.1")
+    assert shaper.connect_wait(10.0, 0, 0, True) == pytest.approx(1800.0)
+    # The probe after the pause is refused again: paused again, the reply kept.
+    assert shaper.connect_wait(1810.0, 0, 0, True) == 0
+    shaper.connected(1810.0)
+    report(shaper, 1811.0, LISTED)
+    assert shaper.snapshot(1811.0)["circuit"] == "open"
+    assert shaper.connect_wait(1811.0, 0, 0, True) >= 1800.0
+    # Delisted: the probe delivers, the pause and its reply are over.
+    shaper.connected(3700.0)
+    report(shaper, 3701.0, DELIVERED)
+    snap = shaper.snapshot(3701.0)
+    assert (snap["circuit"], snap["blocked_by"]) == ("closed", None)
+
+
+def test_failed_authentication_follows_the_message_and_pauses_nothing():
+    shaper = shaper_at()
+    report(shaper, 10.0, UNAUTHENTICATED)
+    snap = shaper.snapshot(10.0)
+    assert (snap["circuit"], snap["blocked_by"]) == ("closed", None)
+    assert shaper.connect_wait(10.0, 0, 0, False) == 0

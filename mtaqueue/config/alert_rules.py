@@ -82,6 +82,14 @@ class WebhookBacklog(_Rule, frozen=True, kw_only=True, tag="webhook_backlog"):
         return self.over
 
 
+class SenderBlocked(_Rule, frozen=True, kw_only=True, tag="sender_blocked"):
+    destination: str = "*"
+
+    @property
+    def threshold(self) -> float:
+        return 0
+
+
 AlertRule = (
     OldestAge
     | DeferralRate
@@ -90,4 +98,5 @@ AlertRule = (
     | ReviewSize
     | ReviewOldestAge
     | WebhookBacklog
+    | SenderBlocked
 )

@@ -128,6 +128,9 @@ class ShapingConfig(Table):
     breaker_window: Duration = duration("1m")
     breaker_cooldown: Duration = duration("30s")
     breaker_cooldown_max: Duration = duration("30m")
+    # A site that refuses our address (blocklist, reputation) is left alone this long at
+    # least before one probe: knocking again while listed only deepens the listing.
+    sender_block_pause: Duration = duration("30m")
     release_spread: Duration = duration("30s")  # waiting mail after a reopening, spread over this
     tenant_rate: str = ""  # per tenant over all destinations, e.g. "600/min"; "" = no cap
     throttle_rules: list[ThrottleRule] = []
@@ -168,6 +171,10 @@ class ClassConfig(RelayConfig):
     weight: Annotated[int, msgspec.Meta(ge=1)] = 1
     # 0 = never; older mail is checked before an attempt
     revalidate_after: Duration = duration("0s")
+    # A reply about our sending (our IP or domain listed, its reputation, SPF/DKIM/DMARC):
+    # defer (keep trying until the lifetime ends), hold (for an operator, in review) or
+    # bounce (a DSN now, no suppression: the recipient did nothing wrong).
+    on_sender_block: Literal["defer", "hold", "bounce"] = "defer"
 
 
 class TenantConfig(RelayConfig):

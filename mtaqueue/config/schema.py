@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .alert_rules import AlertRule
+from .alert_rules import AlertRule, SenderBlocked
 from .delivery_schema import (
     DEFAULT_CLASSES,
     ClassConfig,
@@ -75,7 +75,8 @@ class MetricsConfig(Table):
 
 class AlertsConfig(Table):
     interval: Duration = duration("30s")
-    rules: list[AlertRule] = []
+    # A site refusing our address is never a thing to find out from a queue's depth.
+    rules: list[AlertRule] = msgspec.field(default_factory=lambda: [SenderBlocked()])
 
 
 class LogConfig(Table):

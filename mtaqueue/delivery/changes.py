@@ -1,7 +1,8 @@
 """Log lines for the operator about a destination: what changed, and whose fault it is.
 
     relay_refused(destination, host, ip, results)   a smarthost refusing our AUTH or TLS
-    changed_since(destination, before, now, actions)   circuit or mode changed, lessons
+    changed_since(destination, before, now, actions)   circuit or mode changed, lessons;
+                                                       a site that refused our address
     learned_changes(destination, now)               learned limits that moved
 
 Logs only: nothing here decides.
@@ -10,7 +11,7 @@ Logs only: nothing here decides.
 from __future__ import annotations
 
 from ..logs import get_logger
-from ..policy.breaker import CLOSED
+from ..policy.breaker import CLOSED, OPEN
 from ..policy.settle import Result
 from ..policy.shaper import ShaperState
 from ..policy.verdict import AUTH, TLS
@@ -60,6 +61,18 @@ def changed_since(
             limit=destination.shaper.concurrency.limit,
             reply=destination.last_replies[-1] if destination.last_replies else None,
             released=released,
+        )
+    shaper = destination.shaper
+    if after.circuit == OPEN != before.circuit and shaper.blocked_by is not None:
+        # The site refuses our address: ours to act on (delisting, reputation), not a
+        # message's or a recipient's; the mail waits (its class's on_sender_block).
+        log.error(
+            "sender_blocked",
+            destination=destination.base,
+            domains=sorted(destination.domains),
+            source=destination.source.address if destination.source is not None else None,
+            reply=shaper.blocked_by,
+            until=shaper.breaker.reopen_at,
         )
     learned_changes(destination, now)
 

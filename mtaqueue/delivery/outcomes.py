@@ -74,6 +74,7 @@ class Outcomes:
                 retry=RetryPolicy.from_config(cfg.retry, first_class=name == first_class),
                 lifetime=c.lifetime,
                 expire_action=c.expire_action,
+                on_sender_block=c.on_sender_block,
                 delay_after=cfg.dsn.delay_after,
                 delay_without_notify=cfg.dsn.delay_without_notify,
             )

@@ -34,7 +34,7 @@ from ..model import PENDING, Message
 from ..policy.egress import EgressState
 from ..policy.replies import Reply
 from ..policy.settle import THROTTLE_REQUEUES, Result
-from ..policy.verdict import BLOCKLIST, IPV6
+from ..policy.verdict import IPV6, REFUSES_SOURCE
 from ..routing.nexthop import NextHop, next_hop
 from ..routing.pools import Pool, Pools, Source, family_of
 from ..routing.relays import Relay, Relays, unrouted
@@ -331,7 +331,7 @@ class Placement:
         not THROTTLE_REQUEUES times in a row already."""
         base, source = destination.base, destination.source
         pool = self.pools.for_message(item.klass, item.tenant) if source is not None else None
-        blocked = [r for r in results if r.verdict.kind == BLOCKLIST] if pool else []
+        blocked = [r for r in results if r.verdict.kind in REFUSES_SOURCE] if pool else []
         ipv6 = [r for r in results if r.verdict.kind == IPV6 and r.ip and family_of(r.ip) == 6]
         moved = False
         if blocked and pool is not None and source is not None:

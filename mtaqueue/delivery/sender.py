@@ -27,7 +27,7 @@ from ..policy.replies import Reply
 from ..policy.settle import Result
 from ..policy.shaper import REFUSALS_PER_CONNECTION
 from ..policy.tls_report import Session, result_type
-from ..policy.verdict import AUTH, BLOCKLIST, DELIVERED, HOST, IPV6, THROTTLING
+from ..policy.verdict import ABOUT_US, AUTH, DELIVERED, HOST, IPV6, THROTTLING
 from ..routing.pools import Source, family_of
 from ..routing.relays import STARTTLS
 from ..routing.resolver import Route
@@ -36,6 +36,8 @@ from ..smtp.client import ClientSettings, ConnectFailed, Smarthost, SmtpConnecti
 from . import mta_sts
 
 log = get_logger("delivery")
+
+_OURS = ABOUT_US | {AUTH, IPV6}  # failures about us, not the host: they suspend none
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +201,9 @@ class Sender:
             paced = last_one and verdict.kind == THROTTLING
             # Refused credentials are ours, not the host's: the destination's breaker (by
             # smarthost and user) holds them, not a suspension of a host others may use;
-            # so is a listed source or an IPv6 address the site will not take from us.
-            ours = verdict.kind in (AUTH, BLOCKLIST, IPV6) or failed.reply.network == "local"
+            # so is a refused source (listed, reputation) or an IPv6 address the site will
+            # not take from us.
+            ours = verdict.kind in _OURS or failed.reply.network == "local"
             if verdict.scope in ("host", "destination") and suspend and not paced and not ours:
                 self._suspend(host, port, ip, failed.reply, source)
             return failed.reply
@@ -261,10 +264,10 @@ class Sender:
         from ...") is the destination pacing us: it suspends no host (the only MX would
         stop all delivery) and ends the try. From one of several, the next is tried.
         Refused AUTH ends it too: every address would refuse the same credentials, and
-        each failed login counts against the account; so does a blocklist reply (the site
-        refuses our source, whatever its host) and a source we cannot bind."""
+        each failed login counts against the account; so does a reply about our sending
+        (the site refuses our source, whatever its host) and a source we cannot bind."""
         kind = classify(reply, self.rules).kind
-        if kind in (AUTH, BLOCKLIST) or reply.network == "local":
+        if kind == AUTH or kind in ABOUT_US or reply.network == "local":
             return False
         return not (last_one and kind == THROTTLING)
 

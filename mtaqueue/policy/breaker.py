@@ -2,7 +2,7 @@
 
     CircuitBreaker(failures, window, cooldown, cooldown_max)
     .state(now) -> CLOSED | OPEN | HALF_OPEN     .wait(now) -> seconds     .allow(now) -> bool
-    .failure(now) .success(now) .trip(now) .probe(now)
+    .failure(now) .success(now) .trip(now, at_least) .probe(now)
 
 closed: attempts flow. `failures` failures (connection failures, 421s at the greeting,
 timeouts) within `window` seconds trip it; a success in between starts the count over, so
@@ -84,11 +84,13 @@ class CircuitBreaker:
         if len(self._recent) == self.failures and now - self._recent[0] <= self.window:
             self._trip(now)
 
-    def trip(self, now: float) -> None:
+    def trip(self, now: float, at_least: float = 0.0) -> None:
         """Open now, whatever the count: a failure every attempt would repeat (a smarthost
-        refusing our credentials). While open it is the same outage, counted once."""
+        refusing our credentials; `at_least` that long, a site that blocked our address).
+        While open it is the same outage, counted once."""
         if self.state(now) != OPEN:
             self._trip(now)
+            self.reopen_at = max(self.reopen_at or now, now + at_least)
 
     def success(self, now: float) -> None:
         """Closes a half-open breaker; while closed, starts the failure count over. While

@@ -21,6 +21,7 @@ from ..model import (
     EXPIRED,
     FINAL_STATES,
     HELD_AT_EXPIRY,
+    HELD_BY_SENDER_BLOCK,
     MAX_HISTORY,
     Attempt,
     Message,
@@ -29,7 +30,7 @@ from ..model import (
 )
 from .backoff import RetryPolicy, expires_before, expiry, next_attempt
 from .replies import Reply
-from .verdict import RECIPIENT, THROTTLING, TRANSIENT, Verdict
+from .verdict import ABOUT_US, PERMANENT, RECIPIENT, THROTTLING, TRANSIENT, Verdict
 
 # Times in a row a message refused by its destination's throttle goes back to the ready
 # queue uncharged; the next refusal is an attempt (the retry schedule, expiry), so that a
@@ -44,6 +45,7 @@ class SettleSettings:
     expire_action: str  # bounce, discard, hold or notify
     delay_after: float
     delay_without_notify: bool
+    on_sender_block: str = "defer"  # a reply about our sending: defer, hold or bounce
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +90,7 @@ def settle(
     expires_at = expiry(message.created, settings.lifetime, message.expires)
     for result in results:
         old = recipients[result.index]
-        verdict, reply = result.verdict, result.reply
+        verdict, reply = _about_us(result, settings, out, now), result.reply
         attempts = old.attempts + 1
         attempt = Attempt(now, reply.line(), result.remote_mta, verdict.outcome, verdict.kind)
         common = {
@@ -129,6 +131,23 @@ def settle(
     statuses = {r.index: r.verdict.status for r in results if r.verdict.status}
     _delay_notices(out, now, settings, statuses)
     return out
+
+
+def _about_us(result: Result, settings: SettleSettings, out: Settlement, now: float) -> Verdict:
+    """A reply about our sending (ABOUT_US) is transient: the class's on_sender_block says
+    whether it stays so ("defer"), holds the message for an operator ("hold") or becomes
+    a bounce ("bounce": never suppressed, the recipient did nothing wrong)."""
+    verdict = result.verdict
+    if verdict.kind not in ABOUT_US or verdict.outcome != TRANSIENT:
+        return verdict
+    if settings.on_sender_block == "bounce":
+        status = "5" + verdict.status[1:] if verdict.status else "5.7.1"
+        return msgspec.structs.replace(verdict, outcome=PERMANENT, suppress=False, status=status)
+    if settings.on_sender_block == "hold" and not out.message.held:
+        out.message = with_hold(out.message, HELD_BY_SENDER_BLOCK, now)
+        event = {"event": "sender_block_held", "id": out.message.id, "kind": verdict.kind}
+        out.events.append(event | {"reply": result.reply.line()})
+    return verdict
 
 
 def throttle_refused(results: list[Result], refusals: int) -> tuple[list[Result], list[Result]]:

@@ -44,6 +44,11 @@ Feedback rules (`result`):
   opens at once. Every connection would be refused alike until the configuration is
   fixed, and an ESP may lock an account that keeps failing to log in; the probe after the
   cooldown tries again, and a reload with new credentials starts the destination afresh.
+- Our address refused (kind "blocklist" or "reputation": listed, bad reputation, "not
+  accepted from your IP"): the breaker opens at once for at least sender_block_pause
+  (`blocked_by` keeps the reply); nothing more goes from this source until its probe is
+  answered by something else; the connections open close after their transaction. Its
+  mail waits uncharged; a pool's other sources take it.
 - Any other reply shows the site answering: it closes a half-open breaker, unless it is a
   throttle reply (the site is still unhappy: the breaker opens again). When a breaker
   closes, concurrency starts over at 1 and grows with successes.
@@ -58,15 +63,25 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .. import config
-from .breaker import CLOSED, HALF_OPEN, CircuitBreaker
+from .breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from .buckets import TokenBucket
 from .concurrency import AdaptiveConcurrency
 from .rate_learner import PROBING, SLOW_STARTING, Change, Learned, RateLearner
 from .replies import PHASES, Reply
 from .throttle import BackoffMode, ThrottleRules
-from .verdict import AUTH, DELIVERED, GREYLISTING, PERMANENT, RECIPIENT, THROTTLING, Verdict
+from .verdict import (
+    AUTH,
+    DELIVERED,
+    GREYLISTING,
+    PERMANENT,
+    RECIPIENT,
+    REFUSES_SOURCE,
+    THROTTLING,
+    Verdict,
+)
 
 _MAIL = PHASES.index("mail")
+
 # 4xx replies on one connection since it last delivered before it is closed rather than
 # used again: a strict receiver tarpits a session past a few (Postfix sleeps a second per
 # reply after smtpd_soft_error_limit, 10, and hangs up at the hard limit, 20).
@@ -122,6 +137,8 @@ class DestinationShaper:
             shaping.backoff_successes,
         )
         self.rules = ThrottleRules(shaping.throttle_rules)
+        self.sender_block_pause = float(shaping.sender_block_pause)
+        self.blocked_by: str | None = None  # the reply that paused it for our address
         self._connections = TokenBucket(pacing.connections_per_minute / 60, pacing.burst, now)
         self._messages = TokenBucket(pacing.messages_per_minute / 60, pacing.burst, now)
         self._override: _Override | None = None
@@ -147,6 +164,8 @@ class DestinationShaper:
         and the breaker aside. False after the limit dropped under the connections open
         (a throttle cut, backoff, an operator's limit): the caller closes this one."""
         self._apply(now)
+        if self.blocked_by is not None and self.breaker.state(now) == OPEN:
+            return False  # our address refused: the connections open say nothing more
         return self._room(active - 1, reserved - first_class, first_class)
 
     def connected(self, now: float) -> None:
@@ -271,6 +290,7 @@ class DestinationShaper:
             "circuit": self.breaker.state(now),
             "reopen_at": self.breaker.reopen_at,
             "trips": self.breaker.trips,
+            "blocked_by": self.blocked_by,
             "messages_per_minute": self._messages.rate * 60,
             "connections_per_minute": self._connections.rate * 60,
             "latency_baseline": self.concurrency.baseline,
@@ -325,6 +345,9 @@ class DestinationShaper:
             self.backoff.signal(now)  # the site's own rule asks for backoff mode
         if verdict.kind == AUTH:
             self.breaker.trip(now)
+        elif verdict.kind in REFUSES_SOURCE:
+            self.breaker.trip(now, self.sender_block_pause)
+            self.blocked_by = reply.line()
         elif rule_hit or (verdict.kind == THROTTLING and verdict.scope != RECIPIENT):
             self._throttled(now, reply, active)
         elif _connection_failure(reply, verdict):
@@ -353,6 +376,7 @@ class DestinationShaper:
         self.breaker.success(now)
         if probing:
             self.concurrency.reset(1)
+            self.blocked_by = None
 
     def _apply(self, now: float) -> None:
         """Bring the ceiling and the rates in line with the override and the backoff stage

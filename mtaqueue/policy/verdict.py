@@ -3,6 +3,7 @@
     DELIVERED TRANSIENT PERMANENT AMBIGUOUS          outcomes
     RECIPIENT MESSAGE HOST DESTINATION               scopes: whom it concerns
     OK GREYLISTING THROTTLING ... BLOCKLIST IPV6 OTHER   kinds: why (KINDS, RULE_KINDS)
+    ABOUT_US, REFUSES_SOURCE                         kinds that concern our sending
     Verdict(outcome, scope, kind, retry_after, suppress, status)
 
 policy/classify.py says which a reply gets; this file only names them.
@@ -40,6 +41,8 @@ PROTOCOL = "protocol"
 TLS = "tls"
 AUTH = "auth"
 BLOCKLIST = "blocklist"
+REPUTATION = "reputation"
+SENDER_AUTH = "sender_auth"
 IPV6 = "ipv6"
 OTHER = "other"
 # AMBIGUOUS is also a kind: a lost final reply taken as delivered (see classify).
@@ -59,11 +62,19 @@ KINDS = (
     TLS,
     AUTH,
     BLOCKLIST,
+    REPUTATION,
+    SENDER_AUTH,
     IPV6,
     OTHER,
     AMBIGUOUS,
 )
 RULE_KINDS = KINDS[1:-1]  # a site rule classifies a failure: not "ok", not "ambiguous"
+# About us, not the message or the recipient: our address on a list, our IP's or domain's
+# reputation, our SPF/DKIM/DMARC. The mail stays ours (classes' on_sender_block).
+ABOUT_US = frozenset({BLOCKLIST, REPUTATION, SENDER_AUTH})
+# Of those, the site refusing our source address itself: that source pauses there. (Failed
+# SPF/DKIM/DMARC follow the message's From domain: other senders' mail still goes.)
+REFUSES_SOURCE = frozenset({BLOCKLIST, REPUTATION})
 
 
 class Verdict(msgspec.Struct, frozen=True):

@@ -132,6 +132,7 @@ _REVIEW_REASONS = {
     "expired": "expired (held for review)",
     "revalidation": "the application could not be asked",
     "error": "an error of ours (see the log)",
+    "sender_block": "a site refused our sending (release once that is fixed)",
 }
 
 
