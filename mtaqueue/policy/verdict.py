@@ -3,6 +3,7 @@
     DELIVERED TRANSIENT PERMANENT AMBIGUOUS          outcomes
     RECIPIENT MESSAGE HOST DESTINATION               scopes: whom it concerns
     OK GREYLISTING THROTTLING ... BLOCKLIST IPV6 OTHER   kinds: why (KINDS, RULE_KINDS)
+    ABOUT_US: the kinds that blame our source (IP, domain, authentication), not the mail
     Verdict(outcome, scope, kind, retry_after, suppress, status)
 
 policy/classify.py says which a reply gets; this file only names them.
@@ -40,6 +41,8 @@ PROTOCOL = "protocol"
 TLS = "tls"
 AUTH = "auth"
 BLOCKLIST = "blocklist"
+REPUTATION = "reputation"  # the site refuses our IP or domain: its reputation, PTR, IP type
+SENDER_AUTH = "sender_auth"  # SPF, DKIM or DMARC failed, or the mail is unauthenticated
 IPV6 = "ipv6"
 OTHER = "other"
 # AMBIGUOUS is also a kind: a lost final reply taken as delivered (see classify).
@@ -59,11 +62,17 @@ KINDS = (
     TLS,
     AUTH,
     BLOCKLIST,
+    REPUTATION,
+    SENDER_AUTH,
     IPV6,
     OTHER,
     AMBIGUOUS,
 )
 RULE_KINDS = KINDS[1:-1]  # a site rule classifies a failure: not "ok", not "ambiguous"
+# Refusals of our source at that site: deferred for the destination, never a bounce and
+# never a suppression (another source may be welcome, or the block may be lifted). IPV6
+# stays apart: it is answered by switching family, not by a source.
+ABOUT_US = frozenset({BLOCKLIST, REPUTATION, SENDER_AUTH})
 
 
 class Verdict(msgspec.Struct, frozen=True):
