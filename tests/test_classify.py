@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mtaqueue.config import ConfigError, ReplyRule
 from mtaqueue.policy.classify import MAX_HINT, classify, compile_rules
 from mtaqueue.policy.replies import NETWORK_EVENTS, PHASES, Reply
-from mtaqueue.policy.verdict import KINDS, RULE_KINDS, Verdict
+from mtaqueue.policy.verdict import ABOUT_US, KINDS, RULE_KINDS, Verdict
 
 SETUP = ("connect", "banner", "ehlo", "starttls", "auth")
 TRANSACTION = ("mail", "rcpt", "data")
@@ -209,8 +209,9 @@ CASES = [
     "rcpt 450 4.2.1 Mailbox temporarily disabled => transient recipient mailbox 4.2.1",
     "rcpt 451 4.3.0 Temporary server error. Please try again later"
     " => transient recipient other 4.3.0",
+    # (no PTR for our address: the site refuses our source, not this recipient)
     "rcpt 450 4.7.1 Client host rejected: cannot find your hostname"
-    " => transient recipient policy 4.7.1",
+    " => transient destination reputation 4.7.1",
     "rcpt 451 => transient recipient other 4.0.0",
     # --- greylisting: the recipient waits, the destination is not slowed
     "rcpt 450 4.2.0 <a@b>: Recipient address rejected: Greylisted, see "
@@ -292,11 +293,13 @@ CASES = [
     "ehlo 501 Syntax error => transient host other 4.0.0",
     "starttls 454 4.7.0 TLS not available due to local problem => transient host tls 4.7.0",
     "starttls 554 Command refused => transient host tls 4.7.5",
-    # --- MAIL FROM: the message (its sender)
-    "mail 550 5.7.1 Sender rejected: SPF fail => permanent message policy 5.7.1",
+    # --- MAIL FROM: our authentication failing is about us (every message would get the
+    # same): deferred for the destination, never a bounce (issue 22)
+    "mail 550 5.7.1 Sender rejected: SPF fail => transient destination sender_auth 4.7.1",
     "mail 550 5.7.515 Access denied, sending domain does not meet the required authentication "
     "level."
-    " => permanent message policy 5.7.515",
+    " => transient destination sender_auth 4.7.515",
+    # --- MAIL FROM: the message (its sender)
     "mail 553 5.1.8 Sender address domain does not exist => permanent message policy 5.1.8",
     "mail 550 Sender address rejected => permanent message policy 5.0.0",
     "mail 552 5.3.4 Message size exceeds fixed limit => permanent message size 5.3.4",
@@ -313,7 +316,7 @@ CASES = [
     "data_end 554 5.7.1 Message rejected as spam => permanent message policy 5.7.1",
     "data_end 550 5.7.26 Unauthenticated email from a.example is not accepted due to domain's "
     "DMARC policy."
-    " => permanent message policy 5.7.26",
+    " => transient destination sender_auth 4.7.26",
     "data_end 554 Transaction failed: spam message rejected => permanent message content 5.0.0",
     "data_end 554 5.6.0 Message content rejected => permanent message content 5.6.0",
     "data_end 550 5.6.1 Media not supported => permanent message content 5.6.1",
@@ -553,6 +556,10 @@ def test_rule_kinds_choose_scope_and_suppression():
     assert not verdict_of("mail", 550, "gone away", rules=mailbox).suppress  # the sender
     soft = rules({"match": "gone away", "outcome": "transient", "kind": "mailbox"})
     assert not verdict_of("rcpt", 550, "gone away", rules=soft).suppress
+    # A rule that blames our source speaks of the whole destination, as the table does.
+    for kind in ABOUT_US:
+        ours = rules({"match": "go away", "outcome": "transient", "kind": kind})
+        assert verdict_of("rcpt", 550, "go away", rules=ours).scope == "destination"
 
 
 def test_a_permanent_rule_before_a_transaction_bounces_the_message():
@@ -617,6 +624,12 @@ PHRASES = [
     "receiving mail too quickly",
     "server busy",
     "spam",
+    "blocked using zen.spamhaus.org",
+    "SPF",
+    "low reputation",
+    "frequency limited",
+    "no such user",
+    "mailbox unavailable",
 ]
 texts = st.one_of(
     st.text(max_size=40),
@@ -684,8 +697,10 @@ def test_class_digit_decides_unless_known_soft(reply):
     if klass == 4:
         assert v.outcome == "transient"  # a 4xx never bounces
     if klass == 5:
-        # (530 and a refused AUTH are our configuration's problem: they defer.)
-        soft = v.kind in ("mailbox_full", "too_many_recipients", "auth") or reply.phase in SETUP
+        # (530 and a refused AUTH are our configuration's problem, a refusal of our source
+        # or a frequency limit the destination's: they defer.)
+        soft = v.kind in ("mailbox_full", "too_many_recipients", "auth", "ipv6", "throttling")
+        soft = soft or v.kind in ABOUT_US or reply.phase in SETUP
         assert v.outcome == ("transient" if soft else "permanent")
     # Delivered is a 2xx after the final dot (or 250/251 to RCPT); a 2xx anywhere else is not.
     if v.outcome == "delivered":

@@ -34,20 +34,30 @@ is the message's, transient: no host is suspended for our bug.
 
 In short, the table says:
 - greylisting words ("greylisted", "graylist", "postgrey") in a 4xx: greylisting, recipient;
-- our client address on a blocklist ("blocked using zen.spamhaus.org", "listed at", DNSBL,
-  RBL) in any phase, 4xx or 5xx: blocklist, transient, destination (our source's reputation
-  at that site, never a reason to bounce: another source of its pool takes the mail);
+- a 5xx naming a listed domain in the message (Spamhaus DBL, SURBL, URIBL): content;
+- about our source, in any phase, 4xx or 5xx: transient, destination, never a bounce nor a
+  suppression (`verdict.ABOUT_US`; another source, a delisting or a fix of ours cures it):
+  - blocklist: our address on a DNSBL or the site's own list ("blocked using", "listed at",
+    Yahoo BL2x, Microsoft "banned sending IP", Comcast BL000xxx, T-Online "(BL)");
+  - sender_auth (not at AUTH): SPF, DKIM, DMARC, "unauthenticated", anti-spoofing; codes
+    x.7.23, x.7.26, x.7.27, 5.7.509, 5.7.515, and Yahoo's x.7.9 after the data;
+  - reputation (after the 4xx rate limits below): poor or low reputation, "not accepted from
+    this IP", PTR/rDNS, dial-up or dynamic addresses, Microsoft 5.7.501-503, 5.7.6xx, 5.7.705,
+    5.7.708, 5.7.750, and x.7.25;
 - "IPv6" with "PTR"/"guidelines" (Gmail's 550-5.7.1): ipv6, transient, destination (the
   site wants us over IPv4: the recipient goes again over IPv4);
 - 4xx with 4.7.28, Microsoft 4.7.5xx/6xx, Yahoo TSxx, "rate limited", "too many
-  connections", "server busy"...: throttling, destination (Yahoo TS03 with a 4 h wait);
-  Gmail's 450 4.2.1 "receiving mail too quickly" is one mailbox's limit: recipient;
+  connections", concurrency caps, "server busy"...: throttling, destination (Yahoo TS03 with
+  a 4 h wait); Gmail's 450 4.2.1 "receiving mail too quickly" is one mailbox's limit:
+  recipient; QQ's 550 "frequency limited": throttling too, transient;
+- "try again later" with a 4xx and no or a 4.7.0/4.7.1 code outside RCPT: throttling,
+  destination (even in a 421);
 - 421 at any phase: the site closed the session: destination (throttling if 4.7.x), but
   Postfix's "too many errors" (its error tarpit) is the session's, message;
 - Postfix's anvil ("too much mail from", "too many recipients from", "too many
   connections from"): throttling, destination;
-- "try again later" with 450/451 and no or a 4.7.0/4.7.1/4.2.0 code: at RCPT greylisting,
-  elsewhere throttling;
+- "try again later" at RCPT with 450/451 and no or a 4.7.0/4.7.1/4.2.0 code: greylisting,
+  unless it names a problem or error of the server's own;
 - 530 at any phase (RFC 4954 "authentication required", RFC 3207 "must issue a STARTTLS
   command first") and any 5xx to our AUTH (535 5.7.8 bad credentials, 534, 538, 504) or a
   smarthost with no mechanism we can use: auth, transient, destination (a config error of
@@ -56,10 +66,12 @@ In short, the table says:
   Postfix treats a 5xx greeting the same way);
 - at RCPT: x.5.3, 452, or "too many recipients" (a 552 too): too_many_recipients,
   transient (RFC 5321 4.5.3.1.10); x.2.2, 552 or "mailbox full": mailbox_full, transient
-  (RFC 3463: "persistent transient"); 5.1.0/1/2/3/6/10, 5.2.1 (disabled), or a 550 "user
-  unknown": mailbox, suppressed;
-- x.3.4/x.2.3 or a 552 at MAIL/DATA: size; x.6.x, or a 554 after the data: content;
-  x.7.x: policy; 500-504, 555, x.5.x: protocol; a 5xx to MAIL: policy.
+  (RFC 3463: "persistent transient"); 5.1.0/1/2/3/6/10, 5.2.1 (disabled), or a 5xx whose
+  words say no such or a disabled mailbox whatever its code (5.5.0, 5.0.0, 5.7.1), or a 550
+  "mailbox unavailable" with no telling code and no word of refusal: mailbox, suppressed;
+- x.3.4/x.2.3 or a 552 at MAIL/DATA: size; x.6.x, content words after the data, or a 554
+  after the data: content; x.7.x: policy; 500-504, 555, x.5.x: protocol; a 5xx to MAIL:
+  policy.
 
 Verdict.status is the reply's enhanced code, else one derived from the kind; its class
 always agrees with the outcome (a transient 552 5.2.2 reports 4.2.2), as DSNs need.
@@ -76,6 +88,7 @@ from .. import config
 from .replies import COMPLETES, PHASES, Reply
 from .reply_table import TABLE
 from .verdict import (
+    ABOUT_US,
     AMBIGUOUS,
     AUTH,
     DELIVERED,
@@ -152,7 +165,7 @@ def classify(
                 reply,
                 rule.outcome,
                 rule.kind,
-                scope=DESTINATION if rule.kind == THROTTLING else "",
+                scope=DESTINATION if rule.kind in _DESTINATION_KINDS else "",
                 suppress=rule.kind == MAILBOX and reply.phase == "rcpt",
             )
     if reply.phase == "dns" and reply.network != "tls":  # tls: MTA-STS, no MX listed
@@ -235,6 +248,8 @@ _PHASE_SCOPE = {
     "data": MESSAGE,
     "data_end": MESSAGE,
 }
+# A site rule of these kinds speaks of the whole destination, as the table's rows do.
+_DESTINATION_KINDS = ABOUT_US | {THROTTLING}
 _STATUS_CLASS = {DELIVERED: "2", TRANSIENT: "4", AMBIGUOUS: "4", PERMANENT: "5"}
 # Subject.detail for a reply without an enhanced code.
 _DETAIL = {

@@ -28,6 +28,8 @@ from .verdict import (
     OTHER,
     POLICY,
     PROTOCOL,
+    REPUTATION,
+    SENDER_AUTH,
     SIZE,
     THROTTLING,
     TLS,
@@ -85,31 +87,65 @@ _SETUP = "connect banner ehlo starttls auth"  # before a transaction: the host's
 _GREYLIST = r"gr[ae]y[ -]?list|postgrey"
 # Postfix's anvil says "too much mail from ADDR" (message rate), "too many recipients from
 # ADDR" (recipient rate: not RFC 5321's per-transaction limit, which names no client) and
-# "too many connections from ADDR" (count or rate).
+# "too many connections from ADDR" (count or rate). Caps on connections or on messages per
+# session, QQ's "frequency limited" and Microsoft's RP-00x hourly limits pace us too.
 _THROTTLE = (
-    r"rate[ -]?limit|too many (?!recipients|errors)|too many recipients from|too much mail"
-    r"|sending rate|unusual rate|too (?:fast|quickly)"
-    r"|throttl|(?:server|too) busy|unexpected volume|\bTSS?[0-9]{2}\b"
+    r"rate[ -]?limit|too many (?!recipients|errors)|too many recipients (?:from|received)"
+    r"|too much mail|sending rate|unusual rate|too (?:fast|quickly)|frequency limit"
+    r"|throttl|(?:server|too) busy|unexpected volume|excessive (?:volume|traffic)"
+    r"|\bTSS?[0-9]{2}\b|\bRP-00[0-9]\b|concurren(?:t|cy)|max\w* messages? per"
 )
 _TRY_LATER = r"\b(?:(?:try|retry|come back) (?:again )?later|(?:try again|retry|come back) in\b)"
-_MAILBOX_FULL = r"mailbox (?:is )?full|over ?quota|quota (?:exceeded|full)|storage allocation"
+# A "try later" that names a fault of the server's own is no greylisting (Exim's "451
+# Temporary local problem - please try later").
+_OWN_FAULT = r"(?s)\A(?!.*\b(?:problem|error|resources?)\b).*?"
+_MAILBOX_FULL = r"mailbox (?:is )?full|over ?quota|quota (?:exceeded|full|limit)|storage allocation"
+# Words that only a missing or closed mailbox earns, whatever enhanced code comes with them
+# (Outlook.com 5.5.0, Yandex 5.7.1, Sendmail 5.0.0, Exim none).
 _NO_SUCH_USER = (
     r"user unknown|unknown (?:user|recipient|mailbox)|no such (?:user|mailbox|recipient|address)"
-    r"|does ?n[o']t exist|mailbox (?:unavailable|not found)|invalid (?:recipient|mailbox)"
-    r"|does ?n[o']t have an? \S+ account"
+    r"|does ?n[o']t exist|(?:mailbox|recipient|user) not found|recip(?:ient)?notfound"
+    r"|invalid (?:recipient|mailbox)|unrouteable address|no mailbox here|#5\.1\.[01] address"
+    r"|does ?n[o']t have an? \S+ account|(?:account|mailbox) (?:is )?(?:disabled|inactive)"
 )
+# RFC 5321's own words for 450/550 ("Requested action not taken: mailbox unavailable"):
+# a missing mailbox at Outlook.com, GMX or in a bare 550, but some sites send them for a
+# policy refusal, so they count only at 550 with no telling enhanced code and no word of
+# refusal (QQ's "Mailbox unavailable or access denied" is a per-recipient rate limit).
+_UNAVAILABLE = r"mailbox (?:is )?(?:unavailable|not available)"
+_REFUSAL = r"(?s)\A(?!.*(?:denied|polic|spam|block|reputation|relay|limit)).*?"
 # Our client address on a DNSBL or the site's own list ("blocked using zen.spamhaus.org",
-# Yahoo's "[BL21] ... in Spamhaus's list", Microsoft's "5.7.606 banned sending IP").
+# Yahoo's "[BL21] ... in Spamhaus's list", Microsoft's "5.7.606 banned sending IP", Comcast's
+# BL000xxx, T-Online's "(BL)", Proofpoint's ipcheck page).
 _BLOCKLIST = (
     r"block ?list|black ?list|\bblocked using\b|\b(?:spamhaus|spamcop|barracuda|sorbs|uceprotect)"
-    r"|\b(?:DNSBL|RBL)\b|\blisted (?:at|on|in|by)\b|banned sending ip|\bBL2[0-9]\b"
+    r"|\b(?:DNSBL|RBL)s?\b|\blisted (?:at|on|in|by)\b|banned sending ip|\bBL2[0-9]\b"
+    r"|\bBL0{2,3}[01]{3}\b|\(BL\)|ipcheck\.proofpoint"
 )
+# A blocklist that lists a domain found in the message (a link), not our address.
+_LISTED_CONTENT = r"\bDBL\b|\bSURBL\b|\bURIBL\b|domain present in"
+# The site refuses our IP or domain on its own judgement: reputation, a missing or generic
+# PTR, an address that looks dynamic, our tenant or account flagged for spam.
+_REPUTATION = (
+    r"\b(?:poor|low|bad)\s+(?:\w+\s+){0,2}reputation|reputation of the sending"
+    r"|\bnot accepted from (?:this|your) (?:ip|host|network)|from your ip(?: address)? has been"
+    r"|\bPTR\b|reverse (?:dns|hostname)|\brDNS\b|cannot find your (?:reverse )?hostname"
+    r"|dial-?up|dynamic/residential|transient ip|tenant has exceeded|spam abuse detected"
+    r"|unregistered domain|suspected spam sender|blocked by spam statistics"
+)
+# Authentication of our mail failed, or the site wants some: SPF, DKIM, DMARC, spoofing.
+_SENDER_AUTH = (
+    r"\b(?:SPF|DKIM|DMARC)\b|unauthenticated|authentication (?:checks?|information|level)"
+    r"|sender policy framework|anti-?spoofing"
+)
+_NOT_AUTH_PHASES = "connect banner ehlo mail rcpt data data_end"  # AUTH replies are ours
 # Gmail: "550-5.7.1 ... does not meet IPv6 sending guidelines regarding PTR records and
 # authentication": our IPv6 address lacks what it wants; IPv4 would do.
 _IPV6 = (
     r"(?s)\bIPv6\b.*\b(?:PTR|reverse|guidelines)\b|\b(?:PTR|reverse dns)\b.*\bIPv6\b"
     r"|\bIPv6AuthError\b"
 )
+_OURS = {"outcome": TRANSIENT, "scope": DESTINATION}
 # Yahoo TS03 ("permanently deferred, retrying will NOT succeed") comes as a 4xx: the mail
 # stays ours, so keep it, but do not knock again for hours; expiry ends it if nothing changes.
 _TS03_WAIT = 4 * 3600.0
@@ -117,10 +153,22 @@ _TS03_WAIT = 4 * 3600.0
 TABLE = (
     # Greylisting says so; nothing else uses those words, so they come first.
     _row(GREYLISTING, codes="4xx", text=_GREYLIST),
-    # About our source address, not the message or the recipient: deferred, never bounced
-    # (another source of its pool takes it, or it waits for the delisting until its lifetime).
+    # A domain of the message's links on a list: the content's fault, not our address's.
+    _row(CONTENT, codes="5xx", text=_LISTED_CONTENT),
+    # About our source, not the message or the recipient, at any phase and in a 4xx or a
+    # 5xx: deferred for the destination, never bounced (another source of its pool takes
+    # it, or it waits for the delisting or the fix until its lifetime).
     _row(BLOCKLIST, text=_BLOCKLIST, outcome=TRANSIENT, scope=DESTINATION),
     _row(IPV6, text=_IPV6, outcome=TRANSIENT, scope=DESTINATION),
+    # Gmail 5.7.26/4.7.26 and x.7.27, Microsoft 5.7.23 (SPF), 5.7.509 (DMARC), 5.7.515; Yahoo
+    # says 5.7.9 after the data for a DMARC or SPF failure (RFC 4954's 5.7.9 is for AUTH).
+    _row(SENDER_AUTH, text=_SENDER_AUTH, phases=_NOT_AUTH_PHASES, **_OURS),
+    _row(
+        SENDER_AUTH,
+        status="x.7.9 x.7.23 x.7.26 x.7.27 5.7.509 5.7.515",
+        phases=_NOT_AUTH_PHASES,
+        **_OURS,
+    ),
     # Throttling: pace the destination. Gmail's 4.2.1 "receiving mail too quickly" limits
     # one mailbox, though: that stays with the recipient.
     _row(THROTTLING, codes="4xx", status="x.2.1", text=r"too quickly|at a rate"),
@@ -128,6 +176,28 @@ TABLE = (
     # Gmail 4.7.28 (unsolicited mail rate); Microsoft 4.7.500-699 (throttled, reputation).
     _row(THROTTLING, codes="4xx", status="x.7.28 x.7.5xx x.7.6xx", scope=DESTINATION),
     _row(THROTTLING, codes="4xx", text=_THROTTLE, scope=DESTINATION),
+    # Our IP or domain refused on the site's judgement (after the rate limits, which say
+    # "reputation" too but ask only for patience): Gmail x.7.25 (PTR); Microsoft 5.7.501-503
+    # (spam abuse), 5.7.6xx (banned IP), 5.7.705 (tenant), 5.7.708 (IP), 5.7.750 (domain).
+    _row(REPUTATION, text=_REPUTATION, **_OURS),
+    _row(REPUTATION, status="x.7.25", **_OURS),
+    _row(
+        REPUTATION,
+        codes="5xx",
+        status="5.7.501 5.7.502 5.7.503 5.7.6xx 5.7.705 5.7.708 5.7.750",
+        **_OURS,
+    ),
+    # QQ refuses with a 550 when we send too often ("Ip frequency limited"): a pause cures it.
+    _row(THROTTLING, codes="5xx", text="frequency limit", **_OURS),
+    # A bare "try again later" outside RCPT, even in a 421: the site deferring us.
+    _row(
+        THROTTLING,
+        codes="4xx",
+        status="- x.7.0 x.7.1",
+        text=_TRY_LATER,
+        phases=_SETUP + " mail data data_end",
+        scope=DESTINATION,
+    ),
     # Postfix's error tarpit hanging up ("421 4.7.0 host Error: too many errors"): our
     # session drew too many refusals (greylisting, say). Its message waits as for any lost
     # session; the site's rate is not the problem, so this paces nothing.
@@ -139,22 +209,14 @@ TABLE = (
     # password or TLS settings are ours to fix; every message would get the same.
     _row(AUTH, codes="530", outcome=TRANSIENT, scope=DESTINATION),
     _row(AUTH, codes="5xx", phases="auth", outcome=TRANSIENT, scope=DESTINATION),
-    # A bare "try again later": at RCPT the classic greylisting reply (one recipient waits,
-    # the destination is not slowed for it); elsewhere the site deferring us.
+    # A bare "try again later" at RCPT: the classic greylisting reply (one recipient waits,
+    # the destination is not slowed for it), unless it names a fault of the server's own.
     _row(
         GREYLISTING,
         codes="450 451",
         status="- x.7.0 x.7.1 x.2.0",
-        text=_TRY_LATER,
+        text=_OWN_FAULT + _TRY_LATER,
         phases="rcpt",
-    ),
-    _row(
-        THROTTLING,
-        codes="4xx",
-        status="- x.7.0",
-        text=_TRY_LATER,
-        phases=_SETUP + " mail data data_end",
-        scope=DESTINATION,
     ),
     # Before a transaction, every failure is the host's: try the next MX. Postfix does so
     # even for a 5xx greeting (smtp_skip_5xx_greeting), so none of these bounces.
@@ -191,14 +253,6 @@ TABLE = (
         phases="rcpt",
         suppress=True,
     ),
-    _row(
-        MAILBOX,
-        codes="550 553 554",
-        status=_GENERIC,
-        text=_NO_SUCH_USER,
-        phases="rcpt",
-        suppress=True,
-    ),
     # Microsoft 365's directory-based edge blocking: no such address in the tenant.
     _row(
         MAILBOX,
@@ -208,10 +262,36 @@ TABLE = (
         phases="rcpt",
         suppress=True,
     ),
+    # Said in words: the words decide, whatever the enhanced code, unless the text also
+    # speaks of a refusal (then it is policy, below). "Relay access denied" stays policy
+    # without suppression: that MX does not take the domain (a routing fault, not the
+    # mailbox's), and it speaks of the recipient, not of us.
+    _row(
+        MAILBOX,
+        codes="5xx",
+        text=_REFUSAL + f"(?:{_NO_SUCH_USER})",
+        phases="rcpt",
+        suppress=True,
+    ),
+    _row(
+        MAILBOX,
+        codes="550",
+        status=_GENERIC + " x.5.0 x.2.0",
+        text=_REFUSAL + _UNAVAILABLE,
+        phases="rcpt",
+        suppress=True,
+    ),
     # Size and content, whatever the phase (SIZE= at MAIL, or after the data).
     _row(SIZE, status="x.3.4 x.2.3"),
     _row(SIZE, codes="552", status=_GENERIC, phases="mail data data_end"),
     _row(CONTENT, status="x.6.x"),
+    _row(
+        CONTENT,
+        codes="5xx",
+        status=_GENERIC,
+        text=r"\bcontent\b|\bspam\b|\bvirus|malware",
+        phases="data data_end",
+    ),
     _row(POLICY, status="x.7.x"),
     _row(CONTENT, codes="554", phases="data_end"),
     _row(PROTOCOL, codes="500 501 502 503 504 555"),

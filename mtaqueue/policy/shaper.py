@@ -87,8 +87,14 @@ _MAIL = PHASES.index("mail")
 # reply after smtpd_soft_error_limit, 10, and hangs up at the hard limit, 20).
 REFUSALS_PER_CONNECTION = 3
 # A connection cap ("421 4.7.0 Error: too many connections from 192.0.2.1", "Too many
-# concurrent SMTP connections"): the concurrency is learned, besides the rate.
-_CONNECTIONS = re.compile(r"too many (?:\w+ ){0,2}connections|connection (?:limit|count)", re.I)
+# concurrent SMTP connections", Exchange's "maximum number of concurrent connections",
+# Comcast's "Too many sessions opened", Haraka's "connection concurrency limit"): the
+# concurrency is learned, besides the rate. A connection *rate* limit is no cap.
+_CONNECTIONS = re.compile(
+    r"too many (?:\w+ ){0,2}(?:connections|sessions)|connection (?:limit|count|concurrency)"
+    r"|concurrent (?:\w+ ){0,2}connections|simultaneous connections",
+    re.I,
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,8 +41,8 @@ PROTOCOL = "protocol"
 TLS = "tls"
 AUTH = "auth"
 BLOCKLIST = "blocklist"
-REPUTATION = "reputation"
-SENDER_AUTH = "sender_auth"
+REPUTATION = "reputation"  # the site refuses our IP or domain: its reputation, PTR, IP type
+SENDER_AUTH = "sender_auth"  # SPF, DKIM or DMARC failed, or the mail is unauthenticated
 IPV6 = "ipv6"
 OTHER = "other"
 # AMBIGUOUS is also a kind: a lost final reply taken as delivered (see classify).
