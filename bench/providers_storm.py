@@ -2,6 +2,7 @@
 
     python bench/providers_storm.py [--providers strict,mid,big,fast] [--compare mid]
                                     [--full] [--span 30] [--max-messages 3000] [--again]
+                                    [--flush]
 
 The backlog of `recovery_storm.py` (2% p0, 18% p1, 80% p2, each message to its own
 mailbox, queued while delivery is off, then released by a restart), sent to several
@@ -16,6 +17,12 @@ against fresh copies of the same provider.
 backlog, the daemon starting with the learned.json the first run left: the next outage's
 recovery at a destination it knows (what was learned survives restarts), not the first
 contact with it.
+
+`--flush` also runs each provider the way an outage meets a running daemon
+(`outage_flush.py`): delivery on, the provider refusing every connection while the backlog
+is submitted and for the rest of the outage, then back, then `mtaqueue-ctl flush --all`
+(the release). Its row adds the idle seconds between the flush and the provider's first
+MAIL: a host suspension or breaker the flush did not lift shows there.
 
 A provider's limits are given as the daemon sees them, in real seconds at the time scale
 (the provider's windows are the unscaled ones times `--time-scale`):
@@ -58,6 +65,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 from common import work_directory  # noqa: E402
+from outage_flush import run_mtaqueue_flush  # noqa: E402
 from postfix_instance import postfix_available  # noqa: E402
 from recovery_storm import (  # noqa: E402
     Run,
@@ -194,6 +202,7 @@ def main() -> int:
         action="store_true",
         help="run each provider a second time, starting with what the first run learned",
     )
+    add("--flush", action="store_true", help="also: the outage live, then flush --all")
     add("--full", action="store_true", help="--span 120 --max-messages 12000")
     add("--span", type=float, help="seconds of the provider's rate in the backlog (30)")
     add("--max-messages", type=int, help="at most this many messages per provider (3000)")
@@ -235,6 +244,10 @@ def main() -> int:
                 run = run_mtaqueue(
                     s, here, False, timeout, f"{tag}{name}a", args.mq_option, False, learned
                 )
+                print_run(run, s)
+                results.append((p, s, run))
+            if args.flush:
+                run = run_mtaqueue_flush(s, here, timeout, f"{tag}{name}f", args.mq_option)
                 print_run(run, s)
                 results.append((p, s, run))
             if name != args.compare:

@@ -12,6 +12,8 @@ provider and per client IP. Every behaviour is off unless its option is given.
 
 Order of the checks:
 
+- an outage (`--start-down`, until SIGUSR1): every connection gets `421 4.3.2 Service not
+  available` and is closed; counted apart (report "outage"), not with the replies.
 - connect: blocklisted -> `550 5.7.1 ... blocked using our blocklist` (close); the connection
   counts towards the blocklist if the client was told 421 less than `--blocklist-window`
   seconds ago; concurrent connections of this IP already at `--max-connections` ->
@@ -104,6 +106,9 @@ REPLY_TOO_MANY = (
     "421 4.7.0 Too many concurrent SMTP connections from this IP address; please try again later."
 )
 REPLY_BLOCKED = "550 5.7.1 Service unavailable; client [{ip}] blocked using our blocklist"
+# An outage (--start-down until SIGUSR1): every connection gets this and is closed. Not
+# counted with the replies: the figures of the recovery are about the provider up.
+REPLY_DOWN = "421 4.3.2 Service not available, closing transmission channel\r\n"
 REPLY_NO_SUCH_USER = (
     "550 5.1.1 The email account that you tried to reach does not exist. Please try"
     " double-checking the recipient's email address for typos or unnecessary spaces."
@@ -290,6 +295,12 @@ class _Session(SMTP):
             self._peer._connection_lost(self)
 
     async def _handle_client(self) -> None:
+        if self._peer.down:
+            self._peer.down_refusals += 1
+            assert self.transport is not None
+            self.transport.write(REPLY_DOWN.encode())
+            self.transport.close()
+            return
         reply = self._peer._on_connect(self)
         if reply is None:
             await super()._handle_client()  # pushes the 220 banner (delayed when throttled)
@@ -407,7 +418,11 @@ class SyntheticPeer:
         timeout: float = 300.0,
         data_size_limit: int = 35_882_577,
         timeline: bool = True,
+        down: bool = False,
     ) -> None:
+        self.down = down  # an outage: every connection refused with REPLY_DOWN
+        self.down_refusals = 0
+        self.up_at: float | None = None  # epoch seconds the outage ended (come_up)
         if isinstance(listen, str | tuple):
             listen = [listen]
         self.listen = [parse_listen(item) for item in listen]
@@ -696,6 +711,11 @@ class SyntheticPeer:
             self.delay_max = delay
         return delay
 
+    def come_up(self) -> None:
+        """The outage is over (SIGUSR1): connections are answered again."""
+        if self.down:
+            self.down, self.up_at = False, time.time()
+
     def _replied(self, status: str, client: _Client | None) -> None:
         now = time.monotonic()
         self.last_activity = now
@@ -770,6 +790,7 @@ class SyntheticPeer:
                     "blocklist_window_s": self._block_window,
                 },
             },
+            "outage": {"refusals": self.down_refusals, "up_at": self.up_at},
             "connections": {
                 "total": self.connections,
                 "open": self.open,
@@ -1158,6 +1179,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hostname", default="mx.synthetic.test", help="name in the banner and EHLO")
     add("--timeout", type=float, default=300.0, help="idle timeout of an SMTP session")
     add("--no-timeline", action="store_true", help="leave the per-message timeline out")
+    add(
+        "--start-down",
+        action="store_true",
+        help="an outage: refuse every connection (421 4.3.2) until SIGUSR1",
+    )
     add("--no-uvloop", action="store_true", help="use asyncio's default loop")
     return parser
 
@@ -1191,6 +1217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             hostname=args.hostname,
             timeout=args.timeout,
             timeline=not args.no_timeline,
+            down=args.start_down,
         )
     except (ValueError, OSError) as error:
         parser.error(str(error))
@@ -1203,6 +1230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, peer.request_stop, f"signal:{sig.name}")
+        loop.add_signal_handler(signal.SIGUSR1, peer.come_up)
         return await peer.serve(args.duration, args.idle_exit, on_ready=announce)
 
     runner = asyncio.run
