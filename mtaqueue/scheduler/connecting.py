@@ -27,7 +27,7 @@ from __future__ import annotations
 # greeting takes milliseconds; across the world a TCP and banner round trip is ~0.3 s.
 PATIENCE = 0.25
 # Parked connects allowed per global slot: 100 slots (the default) park up to 500, so a
-# daemon at the limit holds up to 600 outbound sockets (see RLIMIT_NOFILE in README).
+# daemon at the limit holds up to 600 outbound sockets (README: RLIMIT_NOFILE).
 PARKED_PER_SLOT = 5
 
 
