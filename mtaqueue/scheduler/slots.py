@@ -236,9 +236,9 @@ class Admission:
         return any(k != key for starved in self.starved.values() for k in starved)
 
     def _over_share(self, station: Station, leeway: int) -> bool:
-        """Another destination waits for a global slot, and this one holds more than
-        `leeway` over its fair share: max(1, max_connections // destinations holding a
-        slot or waiting for one)."""
+        """Another destination waits for a global slot, and this one holds its fair share
+        plus `leeway` or more (0: it may open no other; 1: it is over, an idle one closes).
+        The share: max(1, max_connections // destinations holding a slot or waiting)."""
         if not station.slots or not self._others_starve(station.key):
             return False
         stations = self.stations
