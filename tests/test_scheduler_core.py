@@ -21,6 +21,7 @@ from mtaqueue.policy.classify import classify
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.shaper import DestinationShaper
 from mtaqueue.scheduler.actions import Close, Connect, Dispatch, GiveUp, Release, Send, Wake
+from mtaqueue.scheduler.connecting import PARKED_PER_SLOT, PATIENCE
 from mtaqueue.scheduler.core import ACCEPTED, REASONS, RETRY, Scheduler
 
 CLASSES = {name: (c.priority, c.weight) for name, c in DEFAULT_CLASSES.items()}
@@ -113,6 +114,7 @@ def test_p0_takes_a_reserved_slot_while_bulk_holds_the_others():
         enqueue_many(sched, T0, "p2", "bulk", 3), Connect
     )  # one ordinary slot: max(1, 2 - 1)
     assert not bulk.first_class
+    assert of(sched.connected(T0, bulk.conn), Send)  # the destination answered
     (reset,) = of(sched.enqueue(T0, "d", "reset", "p0"), Connect)
     assert reset.item == "reset" and reset.first_class
     assert sched.slots("d") == (2, 1)
@@ -158,9 +160,10 @@ def test_the_swapped_item_gives_its_tenant_token_back():
 def test_a_throttle_reply_stops_new_connections_and_idle_ones_close():
     p = pacing(max_connections=4, initial_connections=4, reserved_p0=0)
     sched = scheduler(p)
-    connects = of(enqueue_many(sched, T0, "p1", "m", 8), Connect)
+    (first,) = of(enqueue_many(sched, T0, "p1", "m", 8), Connect)  # one until it answers
+    connects = [first, *of(sched.connected(T0, first.conn), Connect)]
     assert len(connects) == 4
-    for c in connects:
+    for c in connects[1:]:
         sched.connected(T0, c.conn)
     verdict = classify(THROTTLED, ())
     actions = sched.done(T0, connects[0].conn, reusable=True, replies=[(THROTTLED, verdict)])
@@ -306,23 +309,40 @@ class Storm(RuleBasedStateMachine):
         slot = self.slots.get(action.conn)
         if slot is not None:  # the next host of a failed connect: the same slot and item
             assert slot["state"] == "waiting" and slot["item"] == action.item
-            slot["state"] = "connecting"
+            slot["state"], slot["since"] = "connecting", self.now
             return
+        assert not self.unanswered(key), "a second connect before the first answered"
         self.hand_out(key, action.item)
         self.slots[action.conn] = {
             "destination": key,
             "first_class": action.first_class,
             "state": "connecting",
             "item": action.item,
+            "since": self.now,
         }
         assert action.first_class == (self.klass[action.item] == "p0") or not action.first_class
         here = [s for s in self.slots.values() if s["destination"] == key]
         limit = shaper.concurrency.limit
-        assert len(self.slots) <= self.total, "the global connection cap"
+        assert self.counted() <= self.total, "the global connection cap"
         assert len(here) <= limit <= max(self.pacing.max_connections, limit), "the limit"
         if not action.first_class:
             ordinary = sum(not s["first_class"] for s in here)
             assert ordinary <= max(1, limit - self.pacing.reserved_p0), "a reserved slot"
+
+    def lame(self, slot: dict) -> bool:
+        return slot["state"] == "connecting" and self.now - slot["since"] >= PATIENCE
+
+    def counted(self) -> int:
+        """Slots against the global cap: connects unanswered past PATIENCE are parked."""
+        parked = sum(self.lame(s) for s in self.slots.values())
+        return len(self.slots) - min(parked, self.total * PARKED_PER_SLOT)
+
+    def unanswered(self, key: str) -> bool:
+        """A connect in flight while none is up, or one lame: no other opens."""
+        here = [s for s in self.slots.values() if s["destination"] == key]
+        pending = [s for s in here if s["state"] in ("connecting", "waiting")]
+        up = [s for s in here if s["state"] in ("connected", "sending", "idle", "done")]
+        return bool(pending) and (not up or any(self.lame(s) for s in pending))
 
     def swap(self, key: str, opened_for: str, item: str) -> None:
         """The connection opened for bulk carries waiting p0 instead (its tokens), and
@@ -478,7 +498,7 @@ class Storm(RuleBasedStateMachine):
             takers = [s for s in here if s["state"] == "idle" and (p0 or not s["first_class"])]
             assert not takers, "an idle connection"
             reserved = sum(s["first_class"] for s in here)
-            if len(self.slots) < self.total:
+            if self.counted() < self.total and not self.unanswered(key):
                 wait = shaper.connect_wait(self.now, len(here), reserved, first_class=False)
                 assert wait > 0, "work could have had a connection"
 
@@ -492,7 +512,7 @@ class Storm(RuleBasedStateMachine):
             here = [s for s in self.slots.values() if s["destination"] == key]
             assert not any(s["state"] == "idle" for s in here), "an idle connection"
             reserved = sum(s["first_class"] for s in here)
-            if len(self.slots) < self.total:
+            if self.counted() < self.total and not self.unanswered(key):
                 wait = shaper.connect_wait(self.now, len(here), reserved, first_class=True)
                 assert wait > 0, "p0 could have had a connection"
 

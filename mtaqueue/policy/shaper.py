@@ -40,6 +40,11 @@ Feedback rules (`result`):
 - Connection failure: a transient failure before MAIL FROM that is not throttling
   (refused, timeout, a 4xx greeting, EHLO, STARTTLS; not a DNS failure), or a timeout in
   any phase: breaker failure and concurrency cut.
+- Hung (`hung`, the core's call: a connect or greeting timeout with no host left and
+  no connection of the destination up): the breaker opens at once. A site that accepts
+  TCP and never greets costs a slot for the whole banner timeout; at one connect at a
+  time, five such failures never fall within breaker_window, and each queued message
+  would burn a timeout of its own. Open, the queue waits for one probe, as one outage.
 - AUTH refused (kind "auth": bad credentials, AUTH or STARTTLS demanded): the breaker
   opens at once. Every connection would be refused alike until the configuration is
   fixed, and an ESP may lock an account that keeps failing to log in; the probe after the
@@ -195,6 +200,11 @@ class DestinationShaper:
         """No connection (refused, unreachable, timed out) and no `result` for it."""
         self.breaker.failure(now)
         self.concurrency.throttled()
+
+    def hung(self, now: float) -> None:
+        """The destination does not answer at all (after `result` for the timeout): one
+        outage, the breaker open now; its queue waits for the probe."""
+        self.breaker.trip(now)
 
     def result(self, now: float, reply: Reply, verdict: Verdict, active: int = 1) -> None:
         """What a connection or transaction got (one call per reply that settled mail);

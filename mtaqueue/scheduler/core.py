@@ -20,6 +20,13 @@ ends its slot, and the next is admitted like any new one. Reserved slots
 (pacing.reserved_p0) carry first-class work only. Feedback goes to the shaper: one
 signal per distinct reply of a transaction, a failed connect, a connect latency; when a
 probe closes the circuit, what waited is released (`Release`) rather than sent at once.
+
+A destination that does not answer is one outage, not one per message: a connect or
+greeting timeout that leaves no host to try, while none of the destination's connections
+is up, opens its breaker at once (`DestinationShaper.hung`). Its queue then waits,
+uncharged, for the one probe after the cooldown, instead of each message burning a
+timeout and climbing the retry ladder in turn; the probe's success releases it. (How hung
+connects are kept from taking every global slot: scheduler/slots.py.)
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from ..policy.replies import Reply
 from ..policy.shaper import DestinationShaper
 from ..policy.verdict import Verdict
 from .actions import Action, Close, Dispatch, GiveUp, Release, Send, Wake
-from .slots import IDLE, SENDING, WAITING, Admission, Station
+from .slots import IDLE, SENDING, UP, WAITING, Admission, Station
 
 T = TypeVar("T")
 
@@ -115,6 +122,7 @@ class Scheduler(Generic[T]):
         self._timer_of.pop(key, None)
         for starved in self._admission.starved.values():
             starved.pop(key, None)
+        self._admission.held_back.pop(key, None)
         return True
 
     def reclassify(self, classes: dict[str, tuple[int, int]]) -> None:
@@ -182,6 +190,7 @@ class Scheduler(Generic[T]):
         slot = self._slots[conn]
         shaper = self._stations[slot.destination].shaper
         self._dirty.add(slot.destination)
+        self._admission.answered(slot)
         if latency is not None:
             shaper.latency(now, latency)
         slot.state = SENDING  # the item of the Connect goes now, unless first-class work
@@ -204,10 +213,14 @@ class Scheduler(Generic[T]):
         destination = self._stations[slot.destination]
         shaper = destination.shaper
         self._dirty.add(destination.key)
+        self._admission.answered(slot)
         if reply is None or verdict is None:
             shaper.connect_failed(now)
         else:  # this slot counted: refused as one too many, the others are what worked
             shaper.result(now, reply, verdict, len(destination.slots))
+            up = any(s.state in UP for s in destination.slots.values())
+            if not more_hosts and not up and _hung(reply):
+                shaper.hung(now)  # one outage: the queue waits for the probe
         if more_hosts:
             slot.state = WAITING
             return self._run(now)
@@ -304,9 +317,12 @@ class Scheduler(Generic[T]):
         for station in rest:
             self._pump(station, now, actions)
         self._fill(now, actions, first_class_only=False)
+        admission = self._admission
+        waiting = admission.held_back or any(admission.starved.values())
+        parks = admission.parks_at() if waiting else None  # a slot for them then
         wakes = [
             at
-            for at in (self._next_timer(), self._heap[0][0] if self._heap else None)
+            for at in (self._next_timer(), self._heap[0][0] if self._heap else None, parks)
             if at is not None
         ]
         if wakes:
@@ -315,13 +331,15 @@ class Scheduler(Generic[T]):
 
     def _fill(self, now: float, actions: list[Action], *, first_class_only: bool) -> None:
         """Serve the destinations waiting for a global slot while there is one: first-class
-        work first, then in turn."""
+        work first, then in turn; then those held back at their fair share."""
         admission = self._admission
-        for first_class in (True,) if first_class_only else (True, False):
-            starved = admission.starved[first_class]
-            while starved and len(self._slots) < admission.max_connections:
-                key = next(iter(starved))
-                del starved[key]
+        lines = [admission.starved[True]]
+        if not first_class_only:
+            lines += [admission.starved[False], admission.held_back]
+        for line in lines:
+            while line and admission.room(now):
+                key = next(iter(line))
+                del line[key]
                 self._pump(self._stations[key], now, actions)
 
     def _pump(self, station: Station, now: float, actions: list[Action]) -> None:
@@ -341,3 +359,8 @@ class Scheduler(Generic[T]):
         while timers and self._timer_of.get(timers[0][2]) != timers[0][:2]:
             heapq.heappop(timers)
         return timers[0][0] if timers else None
+
+
+def _hung(reply: Reply) -> bool:
+    """No answer: the connect or the greeting timed out (not a refusal, not a reply)."""
+    return reply.network == "timeout" and reply.phase in ("connect", "banner")

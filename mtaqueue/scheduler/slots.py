@@ -4,7 +4,10 @@
     .stations: dict[str, Station]   each destination's shaper, pacing, queue and slots
     .slots: dict[int, Slot]         every connection slot, by id
     .starved[first_class]           destinations waiting for a global slot, in turn
+    .held_back                      those at their fair share, served after the starved
     .pump(station, now, actions)    everything a destination may do now -> its next wake
+    .room(now) / .parks_at()        a global slot free; when a connect next stops counting
+    .answered(slot)                 its connect opened or failed
     .first_class_first(slot, now)   a just-opened slot takes first-class work instead
     .end(slot)                      a slot is over
 
@@ -12,6 +15,23 @@ Every `Connect` has the destination shaper's connect_wait == 0 for a slot counte
 the others (the next MX host of a failed connect too), and every item handed out has its
 send_wait, the global rate and its tenant's rate at 0; each takes its tokens. Reserved
 slots (pacing.reserved_p0) carry first-class work only. Sans I/O: `now` is passed in.
+
+Hung or slow destinations cannot starve the rest (Postfix's qmgr and KumoMTA keep one
+site from taking the whole process limit):
+- One connect until it answers: a destination with a connect in flight opens no other
+  while none of its connections is up (it has not answered yet: unknown, or its last
+  connects hung), nor while one of its connects is lame (scheduler/connecting.py: no
+  answer after PATIENCE). Its answer (`connected`, `connect_failed`) pumps it again. A
+  destination that never answers so holds one socket, as a half-open probe would; its
+  timeout opens its breaker (core.py), so its queue waits as one, uncharged.
+- Lame connects are parked: they stop counting against max_connections (up to
+  PARKED_PER_SLOT times it, for the file descriptors), so 500 destinations that accept
+  TCP and never greet let the one that answers have a slot within a few PATIENCEs.
+- Fair share: while another destination waits for a global slot, none opens a
+  connection past max(1, max_connections // destinations holding or waiting for one),
+  one over it closes an idle connection instead of giving it more work, and every idle
+  connection with nothing to do closes at once instead of after connection_idle. With
+  nobody waiting, a destination gets what its pacing allows, as if alone.
 """
 
 from __future__ import annotations
@@ -26,8 +46,10 @@ from ..policy.buckets import TokenBucket
 from ..policy.fairness import FairQueue, class_order
 from ..policy.shaper import DestinationShaper
 from .actions import Action, Close, Connect, GiveUp, Send
+from .connecting import Connecting
 
 CONNECTING, SENDING, IDLE, WAITING = "connecting", "sending", "idle", "waiting"
+PENDING, UP = (CONNECTING, WAITING), (SENDING, IDLE)  # not answered yet; answered
 Entry = tuple[object, str, str | None]  # (item, class, tenant)
 
 
@@ -42,6 +64,7 @@ class Slot:
     tenant: str | None = None
     transactions: int = 0
     until: float = 0.0  # IDLE: closes then
+    since: float = 0.0  # CONNECTING: when its Connect went out
 
 
 @dataclass(slots=True)
@@ -77,6 +100,9 @@ class Admission:
         self.stations: dict[str, Station] = {}
         self.slots: dict[int, Slot] = {}
         self.starved: dict[bool, dict[str, None]] = {True: {}, False: {}}  # ordered sets
+        self.held_back: dict[str, None] = {}
+        self.connecting = Connecting()
+        self._holders = 0  # destinations holding a slot
         self._tenants: dict[str, TokenBucket] = {}
         self._ids = itertools.count(1)
         self.set_classes(classes)
@@ -91,6 +117,7 @@ class Admission:
         wakes: list[float] = []
         for starved in self.starved.values():
             starved.pop(station.key, None)
+        self.held_back.pop(station.key, None)
         # Idle connections no longer admitted close; a failed connect tries the next host.
         for slot in list(station.slots.values()):
             active, reserved = station.counts()
@@ -108,17 +135,23 @@ class Admission:
                     wakes.append(now + wait)
                 else:
                     shaper.connected(now)
-                    slot.state = CONNECTING
+                    self._connect(slot, now)
                     actions.append(Connect(slot.id, station.key, slot.item, slot.first_class))
         # Idle connections take work first (the first class first: it goes on the wire at
         # once, not after a new connection's handshake); one with nothing to do closes
-        # after connection_idle. New connections open for what is left.
+        # after connection_idle, or at once while another destination waits for a slot,
+        # as does one over the fair share. New connections open for what is left.
+        starving = self._others_starve(station.key)
         for slot in [s for s in station.slots.values() if s.state == IDLE]:
+            if starving and self._over_share(station, 1):  # its slot goes to them
+                self.end(slot)
+                actions.append(Close(slot.id))
+                continue
             entry, wait = self._next(station, now, slot.first_class)
             if entry is not None:
                 slot.state, (slot.item, slot.klass, slot.tenant) = SENDING, entry
                 actions.append(Send(slot.id, slot.item))
-            elif wait is None and now >= slot.until:
+            elif wait is None and (now >= slot.until or starving):
                 self.end(slot)
                 actions.append(Close(slot.id))
             else:
@@ -138,9 +171,12 @@ class Admission:
                 s.state == IDLE and (not s.first_class or first_waiting)
                 for s in station.slots.values()
             )
-            if len(queue) <= takers:
+            if len(queue) <= takers or self._unanswered(station, now):
+                return  # (unanswered: its answer pumps it again)
+            if self._over_share(station, 0):  # the others first
+                self.held_back[station.key] = None
                 return
-            if len(self.slots) >= self.max_connections:  # served when one ends
+            if not self.room(now):  # served when one ends or parks
                 self.starved[first_waiting][station.key] = None
                 return
             active, reserved = station.counts()
@@ -160,9 +196,55 @@ class Admission:
                 return
             shaper.connected(now)
             slot = Slot(next(self._ids), station.key, first_class, CONNECTING, *entry)
+            self._holders += not station.slots
             station.slots[slot.id] = slot
             self.slots[slot.id] = slot
+            self._connect(slot, now)
             actions.append(Connect(slot.id, station.key, slot.item, first_class))
+
+    def room(self, now: float) -> bool:
+        """A global slot is free (parked connects not counted)."""
+        limit = self.max_connections
+        return self.connecting.in_use(len(self.slots), limit, now) < limit
+
+    def parks_at(self) -> float | None:
+        """When a connect in flight would next stop counting (a slot for the starved)."""
+        return self.connecting.parks_at(self.max_connections)
+
+    def answered(self, slot: Slot) -> None:
+        """Its connect opened or failed: no longer in flight."""
+        self.connecting.answered(slot.id)
+
+    def _connect(self, slot: Slot, now: float) -> None:
+        slot.state, slot.since = CONNECTING, now
+        self.connecting.start(slot.id, now)
+
+    def _unanswered(self, station: Station, now: float) -> bool:
+        """A connect of its own is in flight while none of its connections is up, or is
+        lame: the destination opens no other until it answers."""
+        slots = station.slots.values()
+        pending = [s for s in slots if s.state in PENDING]
+        if not pending:
+            return False
+        if not any(s.state in UP for s in slots):
+            return True
+        lame = self.connecting.lame
+        return any(s.state == CONNECTING and lame(s.since, now) for s in pending)
+
+    def _others_starve(self, key: str) -> bool:
+        """Another destination waits for a global slot."""
+        return any(k != key for starved in self.starved.values() for k in starved)
+
+    def _over_share(self, station: Station, leeway: int) -> bool:
+        """Another destination waits for a global slot, and this one holds its fair share
+        plus `leeway` or more (0: it may open no other; 1: it is over, an idle one closes).
+        The share: max(1, max_connections // destinations holding a slot or waiting)."""
+        if not station.slots or not self._others_starve(station.key):
+            return False
+        stations = self.stations
+        waiting = sum(not stations[k].slots for s in self.starved.values() for k in s)
+        share = max(1, self.max_connections // max(1, self._holders + waiting))
+        return len(station.slots) >= share + leeway
 
     def first_class_first(self, slot: Slot, now: float) -> None:
         """A slot opened for other work carries first-class work that waits now instead:
@@ -223,5 +305,8 @@ class Admission:
         return bucket
 
     def end(self, slot: Slot) -> None:
+        self.connecting.answered(slot.id)
         self.slots.pop(slot.id, None)
-        self.stations[slot.destination].slots.pop(slot.id, None)
+        station = self.stations[slot.destination]
+        if station.slots.pop(slot.id, None) is not None and not station.slots:
+            self._holders -= 1
