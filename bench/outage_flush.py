@@ -19,22 +19,20 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from collections import Counter
 from pathlib import Path
 
 from recovery_storm import (
-    DOMAINS,
     MTAQUEUE_PORT,
-    PROVIDER_IPS,
     SINK_IP,
     Daemon,
     PeerProcess,
     Run,
     Scenario,
+    drain_mtaqueue,
     mtaqueue_config,
     plan,
+    provider_dns,
     read_daemon_log,
-    sample_until_drained,
     submit,
     wait_outage,
 )
@@ -48,8 +46,6 @@ def run_mtaqueue_flush(
     tag: str,
     overrides: tuple[str, ...] | list[str] = (),
 ) -> Run:
-    from dns_server import DnsServer  # tests/, put on the path by recovery_storm
-
     run = Run("flush", "mtaqueue (shipped config), outage then flush --all", plan(s.messages, tag))
     workdir = workdir / run.name
     workdir.mkdir()
@@ -58,14 +54,9 @@ def run_mtaqueue_flush(
     peer.args.append("--start-down")
     peer.start()
     sink = SyntheticPeer([f"{SINK_IP}:0"]).start()
-    dns = DnsServer().start()
+    dns = provider_dns()
     daemon = None
     try:
-        for domain in DOMAINS:
-            for i in range(len(PROVIDER_IPS)):
-                dns.add(domain, "MX", f"10 mx{i + 1}.provider.test")
-        for i, ip in enumerate(PROVIDER_IPS):
-            dns.add(f"mx{i + 1}.provider.test", "A", ip)
         cfg = mtaqueue_config(
             s, workdir / "spool", peer.port, sink.port, dns.address, naive=False, admin=False
         )
@@ -80,20 +71,7 @@ def run_mtaqueue_flush(
         [flushed] = daemon.ask("flush", {"all": True})
         run.startup_s = time.time() - run.release  # how long the flush command took
         run.notes.append(f"flush --all: {flushed}")
-        sample_until_drained(
-            run,
-            lambda: daemon.ask("status")[0]["messages"],
-            timeout,
-            states=lambda: daemon.ask("domains"),
-            check=daemon.check,
-            pids=(daemon.proc.pid if daemon.proc else None, peer.proc.pid),
-        )
-        if run.drained_at is None:
-            left: Counter = Counter()
-            for msg in daemon.ask("list"):
-                for rcpt in msg["recipients"]:
-                    left[(msg["class"], rcpt["state"], rcpt.get("last_reply") or "")] += 1
-            run.extra["left"] = left.most_common(10)
+        drain_mtaqueue(run, daemon, peer, timeout)
     except Exception as exc:  # the run broke: keep what we have
         run.error = f"{type(exc).__name__}: {exc}"
     finally:

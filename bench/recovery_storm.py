@@ -583,7 +583,6 @@ def run_mtaqueue(
 ) -> Run:
     """`learned`: the learned.json of an earlier run at this provider, which the daemon
     starts with (the next outage's recovery, at a destination it knows)."""
-    from dns_server import DnsServer
 
     name = "naive" if naive else "mtaqueue" if admin else "shipped"
     label = (
@@ -600,32 +599,14 @@ def run_mtaqueue(
     workdir.mkdir()
     peer = PeerProcess(workdir, s, duration=s.outage * s.scale + timeout + 600).start()
     sink = SyntheticPeer([f"{SINK_IP}:0"]).start()
-    dns = DnsServer().start()
+    dns = provider_dns()
     daemon = None
     try:
-        for domain in DOMAINS:
-            for i in range(len(PROVIDER_IPS)):
-                dns.add(domain, "MX", f"10 mx{i + 1}.provider.test")
-        for i, ip in enumerate(PROVIDER_IPS):
-            dns.add(f"mx{i + 1}.provider.test", "A", ip)
         cfg = mtaqueue_config(s, workdir / "spool", peer.port, sink.port, dns.address, naive, admin)
         if learned is not None:
             carry_learned(learned, workdir / "spool", peer.port)
         daemon = queue_and_release(run, s, workdir, cfg, overrides)
-        sample_until_drained(
-            run,
-            lambda: daemon.ask("status")[0]["messages"],
-            timeout,
-            states=lambda: daemon.ask("domains"),
-            check=daemon.check,
-            pids=(daemon.proc.pid, peer.proc.pid),
-        )
-        if run.drained_at is None:
-            left = Counter()
-            for msg in daemon.ask("list"):
-                for rcpt in msg["recipients"]:
-                    left[(msg["class"], rcpt["state"], rcpt.get("last_reply") or "")] += 1
-            run.extra["left"] = left.most_common(10)
+        drain_mtaqueue(run, daemon, peer, timeout)
     except Exception as exc:  # the run broke: keep what we have
         run.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -636,6 +617,37 @@ def run_mtaqueue(
         run.report = peer.stop()
     run.extra["log"] = read_daemon_log(workdir / "release.log")
     return run
+
+
+def provider_dns():
+    """A DNS server on loopback: DOMAINS hosted at mx1, mx2.provider.test (PROVIDER_IPS)."""
+    from dns_server import DnsServer
+
+    dns = DnsServer().start()
+    for domain in DOMAINS:
+        for i in range(len(PROVIDER_IPS)):
+            dns.add(domain, "MX", f"10 mx{i + 1}.provider.test")
+    for i, ip in enumerate(PROVIDER_IPS):
+        dns.add(f"mx{i + 1}.provider.test", "A", ip)
+    return dns
+
+
+def drain_mtaqueue(run: Run, daemon: Daemon, peer: PeerProcess, timeout: float) -> None:
+    """Sample mtaqueue's queue until it is empty (or `timeout`); what is left, if any."""
+    sample_until_drained(
+        run,
+        lambda: daemon.ask("status")[0]["messages"],
+        timeout,
+        states=lambda: daemon.ask("domains"),
+        check=daemon.check,
+        pids=(daemon.proc.pid if daemon.proc else None, peer.proc.pid if peer.proc else None),
+    )
+    if run.drained_at is None:
+        left: Counter = Counter()
+        for msg in daemon.ask("list"):
+            for rcpt in msg["recipients"]:
+                left[(msg["class"], rcpt["state"], rcpt.get("last_reply") or "")] += 1
+        run.extra["left"] = left.most_common(10)
 
 
 def carry_learned(learned: Path, spool: Path, port: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,13 @@ def queue_id(reply: bytes) -> str:
     """The id in the daemon's reply to the final dot."""
     assert reply.startswith(b"250 2.0.0 Ok: queued as "), reply
     return reply.split()[-1].decode()
+
+
+def ctl_json(daemon, *args: str) -> list[dict]:
+    """`mtaqueue-ctl ARGS --json`, which must succeed: its objects."""
+    result = daemon.ctl(*args, "--json")
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
 
 
 def events(daemon, name: str) -> list[dict]:

@@ -3,11 +3,10 @@ behind one probe connection (daemon, test DNS, a scriptable peer)."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
-from e2e_helpers import BODY, FAST, MailNet, wait_for
+from e2e_helpers import BODY, FAST, MailNet, ctl_json, wait_for
 
 DOWN = "421 4.3.2 Service not available, closing transmission channel"
 # Long enough that only a lift (not the suspension's end) can explain a delivery.
@@ -19,12 +18,6 @@ def net():
     with MailNet(["127.0.0.2"]) as mail:
         mail.add_domain("example.org", "127.0.0.2", host="mx.provider.test")
         yield mail
-
-
-def ctl_json(daemon, *args: str) -> list[dict]:
-    result = daemon.ctl(*args, "--json")
-    assert result.returncode == 0, result.stderr
-    return [json.loads(line) for line in result.stdout.splitlines()]
 
 
 def banners(peer) -> int:

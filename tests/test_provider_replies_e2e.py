@@ -8,13 +8,12 @@ decision class, multi-line replies first, at least two phases where the corpus h
 
 from __future__ import annotations
 
-import json
 import time
 import tomllib
 from pathlib import Path
 
 import pytest
-from e2e_helpers import BODY, FAST, MailNet, events, wait_for
+from e2e_helpers import BODY, FAST, MailNet, ctl_json, events, wait_for
 
 from mtaqueue.policy.classify import classify
 from mtaqueue.policy.replies import Reply
@@ -42,12 +41,6 @@ PICKS = chosen()
 def wire(entry: dict) -> str:
     """The reply as the peer writes it: the code on every line."""
     return "\n".join(f"{entry['code']} {line}" for line in entry["text"].splitlines())
-
-
-def ctl_json(daemon, *args: str) -> list[dict]:
-    result = daemon.ctl(*args, "--json")
-    assert result.returncode == 0, result.stderr
-    return [json.loads(line) for line in result.stdout.splitlines()]
 
 
 @pytest.fixture

@@ -3,11 +3,10 @@ the destination pauses, an operator is told (daemon, test DNS, scriptable peers)
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
-from e2e_helpers import BODY, FAST, MailNet, events, wait_for
+from e2e_helpers import BODY, FAST, MailNet, ctl_json, events, wait_for
 
 # Spamhaus-style refusal as Postfix's postscreen/smtpd write it, at MAIL FROM.
 LISTED = (
@@ -23,12 +22,6 @@ def net():
         mail.add_domain("example.org", "127.0.0.2", host="mx.provider.test")
         mail.add_domain("sender.test", "127.0.0.9")  # where DSNs would go
         yield mail
-
-
-def ctl_json(daemon, *args: str) -> list[dict]:
-    result = daemon.ctl(*args, "--json")
-    assert result.returncode == 0, result.stderr
-    return [json.loads(line) for line in result.stdout.splitlines()]
 
 
 def mails(peer) -> int:

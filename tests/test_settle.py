@@ -319,6 +319,27 @@ def test_greylisting_a_server_hint_longer_than_the_window_wins():
     assert new.next_attempt == T0 + 10 * M
 
 
+def test_greylisting_after_an_outage_comes_back_at_the_window_not_the_outages_step():
+    # Two attempts spent on a host that was down: a third failure of that kind would wait
+    # 4 h (the schedule's third step); the greylisted first contact waits for the window.
+    down = Attempt(T0, "421 4.3.2 Service not available", MX, "transient", "other")
+    old = rcpt(state=DEFERRED, attempts=2, history=(down, down))
+    now = T0 + 20 * M
+    new = run(message(old), got(0, GREY), now=now).message.recipients[0]
+    assert new.attempts == 3 and new.next_attempt == now + 5 * M
+    assert run(message(old), got(0, TEMP), now=now).message.recipients[0].next_attempt == (
+        now + 4 * H
+    )
+
+
+def test_a_site_that_greylists_again_and_again_climbs_the_schedule():
+    grey = Attempt(T0, GREY.line(), MX, "transient", "greylisting")
+    old = rcpt(state=DEFERRED, attempts=2, history=(grey, grey))
+    now = T0 + 20 * M
+    new = run(message(old), got(0, GREY), now=now).message.recipients[0]
+    assert new.next_attempt == now + 4 * H  # the third greylisting in a row: step 3
+
+
 # -- expiry: look-ahead ------------------------------------------------------------------------
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
-from e2e_helpers import BODY, FAST, MailNet, events, wait_for
+from e2e_helpers import BODY, FAST, MailNet, ctl_json, events, wait_for
 from smtp_peer import Late, Received
 
 # One connection, any class may use it: the order of delivery is the queue's order.
@@ -61,12 +60,6 @@ def send_many(daemon, klass: str, prefix: str, count: int) -> list[str]:
 def last_place(order: list[str], prefix: str, count: int) -> int:
     """Where the last of PREFIX0@example.org ... came in `order` (recipients)."""
     return max(order.index(f"{prefix}{i}@example.org") for i in range(count))
-
-
-def ctl_json(daemon, *args: str) -> list[dict]:
-    result = daemon.ctl(*args, "--json")
-    assert result.returncode == 0, result.stderr
-    return [json.loads(line) for line in result.stdout.splitlines()]
 
 
 def restart_with_delivery(daemon) -> None:

@@ -30,7 +30,15 @@ from ..model import (
 )
 from .backoff import RetryPolicy, expires_before, expiry, next_attempt
 from .replies import Reply
-from .verdict import ABOUT_US, PERMANENT, RECIPIENT, THROTTLING, TRANSIENT, Verdict
+from .verdict import (
+    ABOUT_US,
+    GREYLISTING,
+    PERMANENT,
+    RECIPIENT,
+    THROTTLING,
+    TRANSIENT,
+    Verdict,
+)
 
 # Times in a row a message refused by its destination's throttle goes back to the ready
 # queue uncharged; the next refusal is an attempt (the retry schedule, expiry), so that a
@@ -114,7 +122,7 @@ def settle(
         else:  # transient, or ambiguous under the "retry" policy
             due = next_attempt(
                 settings.retry,
-                attempts,
+                _failures(old, verdict, attempts),
                 now,
                 rng,
                 kind=verdict.kind,
@@ -131,6 +139,21 @@ def settle(
     statuses = {r.index: r.verdict.status for r in results if r.verdict.status}
     _delay_notices(out, now, settings, statuses)
     return out
+
+
+def _failures(old: Recipient, verdict: Verdict, attempts: int) -> int:
+    """The failures that place the next retry on the schedule. Greylisting counts only
+    its own run: a greylisted first contact after an outage (attempts spent on a host that
+    was down) comes back when the window ends, not at the outage's next step; a site that
+    greylists again and again still climbs the schedule."""
+    if verdict.kind != GREYLISTING:
+        return attempts
+    run = 1
+    for attempt in reversed(old.history):
+        if attempt.kind != GREYLISTING:
+            break
+        run += 1
+    return run
 
 
 def _about_us(result: Result, settings: SettleSettings, out: Settlement, now: float) -> Verdict:
