@@ -92,3 +92,19 @@ def test_on_sender_block_bounce_returns_the_mail_without_suppressing(net, start_
     [dsn] = wait_for(lambda: list(home.messages), what="the DSN")
     assert "zen.spamhaus.org" in dsn.content.decode(errors="replace")
     assert ctl_json(daemon, "suppress", "list") == []
+
+
+def test_mail_paused_for_a_block_still_expires_with_a_dsn_that_says_why(net, start_daemon):
+    mx, home = net.peers
+    mx.on("mail", LISTED)
+    daemon = start_daemon(*net.daemon_overrides(), *FAST, "classes.p1.lifetime=4s")
+    first = daemon.send("app@sender.test", ["a@example.org"], BODY)
+    wait_for(lambda: events(daemon, "sender_blocked"), what="the pause")
+    # Sent during the pause: never attempted, yet its lifetime ends all the same (the
+    # expiry sweep runs every 30 s, whatever the mail waits for).
+    second = daemon.send("app@sender.test", ["b@example.org"], BODY)
+    wait_for(lambda: not {first, second} & set(daemon.messages()), timeout=45, what="expiry")
+    dsns = wait_for(lambda: home.messages if len(home.messages) == 2 else None, what="2 DSNs")
+    texts = [m.content.decode(errors="replace") for m in dsns]
+    assert any("zen.spamhaus.org" in text for text in texts)  # the reply that held it
+    assert ctl_json(daemon, "suppress", "list") == []

@@ -20,7 +20,6 @@ from mtaqueue.spool.walk import chunks
 
 
 def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Command]:
-    queue = spool.messages
 
     def selection(args: dict[str, Any]) -> views.Filters:
         selector = {k: v for k, v in args.items() if k != "all" and v not in (None, [], "")}
@@ -46,6 +45,7 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
         back old), and only a chunk of them decoded at once: at a million queued,
         `flush --all` after an outage must not hold them all, nor stall the loop."""
         named = filters.ids is not None  # queue ids named: only those are looked at
+        queue = spool.messages  # the recovered queue (the recovery replaces the map)
         for chunk in chunks(list(dict.fromkeys(filters.ids)) if named else list(queue)):
             found = (queue.get(i) for i in chunk)
             yield [m for m in found if m is not None and views.matches(m, filters)]

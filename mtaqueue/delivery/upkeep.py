@@ -55,7 +55,7 @@ class Upkeep:
         self.active = active
         self.egress = egress
         self.layout = spool.layout
-        self.messages = spool.messages
+        self.spool = spool  # its `messages` is replaced by the recovery: read it each time
         self._learned_saved = b""
         self._egress_saved = b""
 
@@ -97,7 +97,7 @@ class Upkeep:
         The queue is read a chunk at a time, as at start."""
         settings = self.outcomes.settings
         due: set[str] = set()
-        for chunk in chunks(list(self.messages)):
+        for chunk in chunks(list(self.spool.messages)):
             for message_id in chunk:
                 m = self.intake.read(message_id)
                 if m is not None and expire_due(m, now, settings(m.klass)) is not None:
@@ -107,7 +107,7 @@ class Upkeep:
             return
         self.outcomes.unqueue(lambda item: item.message_id in due, now)
         for message_id in due:
-            message = self.messages.get(message_id)
+            message = self.spool.messages.get(message_id)
             if message is None or self.active.busy.get(message_id):
                 continue  # in transit: the next sweep
             settlement = expire_due(message, now, settings(message.klass))
