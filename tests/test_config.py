@@ -274,14 +274,47 @@ def test_file_errors_name_the_key(tmp_path: Path, text: str, message: str) -> No
             "listen.max_line_length: must be at least 998 (RFC 5322 2.1.1)",
         ),
         ("spool.path=", "spool.path: must not be empty"),
-        ("override", "override 'override': expected SECTION.KEY=VALUE"),
-        ("listen=1", "override 'listen=1': expected SECTION.KEY=VALUE"),
-        ("routes.=x", "override 'routes.=x': expected SECTION.KEY=VALUE"),
-        ("listen..address=x", "override 'listen..address=x': expected SECTION.KEY=VALUE"),
+        ("override", "override 'override': expected SECTION.KEY=VALUE or SECTION=VALUE"),
+        ("listen=1", "listen: expected table, got int"),  # as `listen = 1` in the file
+        ("nosuch=1", "nosuch: unknown key"),
+        ("routes.=x", "override 'routes.=x': expected SECTION.KEY=VALUE or SECTION=VALUE"),
+        (
+            "listen..address=x",
+            "override 'listen..address=x': expected SECTION.KEY=VALUE or SECTION=VALUE",
+        ),
+        ('webhooks=[{url="http://127.0.0.1:9/e", bogus=1}]', "webhooks[0].bogus: unknown key"),
+        (
+            'webhooks=[{url="http://127.0.0.1:9/e"',
+            "override 'webhooks=[{url=\"http://127.0.0.1:9/e\"': TOML syntax error: "
+            "Unclosed inline table (at end of document)",
+        ),
     ],
 )
 def test_override_errors_name_the_key(override: str, message: str) -> None:
     assert config_error(override) == message
+
+
+def test_an_override_sets_a_whole_section_arrays_of_tables_included() -> None:
+    webhook = 'webhooks=[{url="http://127.0.0.1:9/e", secret="s", events=["delivered"]}]'
+    cfg = load(None, [webhook, 'pools={bulk={sources=["192.0.2.1"]}}'])
+    assert [(w.url, w.secret, w.events) for w in cfg.webhooks] == [
+        ("http://127.0.0.1:9/e", "s", ["delivered"])
+    ]
+    assert cfg.pools["bulk"].sources == ["192.0.2.1"]
+    # A relayhost in brackets is text, not a broken array.
+    assert load(None, ["delivery.relayhost=[127.0.0.1]:2790"]).delivery.relayhost == (
+        "[127.0.0.1]:2790"
+    )
+
+
+def test_an_override_and_the_file_give_the_same_error(tmp_path) -> None:
+    path = tmp_path / "mtaqueue.toml"
+    path.write_text('[[webhooks]]\nurl = "http://127.0.0.1:9/e"\nbogus = 1\n')
+    with pytest.raises(ConfigError) as info:
+        load(str(path))
+    from_file = str(info.value)
+    from_override = config_error('webhooks=[{url="http://127.0.0.1:9/e", bogus=1}]')
+    assert from_file == from_override == "webhooks[0].bogus: unknown key"
 
 
 @pytest.mark.parametrize(

@@ -427,6 +427,22 @@ def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: lis
     assert err.count("\n") == 1
 
 
+def test_ctl_takes_o_like_the_daemon(
+    sock_path: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # No -c: the defaults, with the socket the daemon was told with -o.
+    code, out, _ = run_ctl(capsys, "-o", f"control.socket={sock_path}", "status", "--json")
+    assert code == 0 and json.loads(out.splitlines()[0])["messages"] == len(MESSAGES)
+    # Over a file: the -o wins, as for the daemon.
+    conf = tmp_path / "mtaqueue.toml"
+    conf.write_text(f'[control]\nsocket = "{tmp_path / "elsewhere.sock"}"\n')
+    code, _, _ = run_ctl(capsys, "-c", str(conf), "-o", f"control.socket={sock_path}", "status")
+    assert code == 0
+    # A bad override: the config's one-line error, exit 1.
+    code, out, err = run_ctl(capsys, "-o", "control.nosuch=1", "status")
+    assert (code, out, err) == (1, "", "mtaqueue-ctl: control.nosuch: unknown key\n")
+
+
 def test_unreadable_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("mtaqueue.config")
     code, out, err = run_ctl(capsys, "-c", str(tmp_path / "missing.toml"), "status")

@@ -1,9 +1,10 @@
-"""`load(path, overrides)`: the Config from a TOML file and ``-o SECTION.KEY=VALUE``
-overrides; `default_path()`: the file when none is named (`SYSTEM_CONFIG`, or the
-environment's).
+"""`load(path, overrides)`: the Config from a TOML file and ``-o SECTION.KEY=VALUE`` (or
+``-o SECTION=VALUE``: a whole section, arrays of tables included) overrides;
+`default_path()`: the file when none is named (`SYSTEM_CONFIG`, or the environment's).
 
 The file's raw tables are read, the overrides set over them, the tables converted ([classes.NAME]
-over DEFAULT_CLASSES) and the result validated (validate.py). Problems raise ConfigError.
+over DEFAULT_CLASSES) and the result validated (validate.py). Problems raise ConfigError,
+with the same messages for an override as for the file.
 """
 
 import os
@@ -67,11 +68,15 @@ def _dkim_keys(domain: str, entry: Any) -> list[DkimKeyConfig]:
     return [convert(table, DkimKeyConfig, dkim_path(domain, i)) for i, table in enumerate(entry)]
 
 
-def _override_value(text: str) -> Any:
-    """A TOML value if `text` is one ("26", "true", '["1m"]'), else the text itself."""
+def _override_value(text: str, item: str) -> Any:
+    """A TOML value if `text` is one ("26", "true", '["1m"]', '[{url = "..."}]'), else the
+    text itself ("[192.0.2.1]:25" is a relayhost, not a broken array). A table or an array
+    of tables that does not parse is an error, as it would be in the file."""
     try:
         parsed = tomllib.loads("v = " + text)
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as e:
+        if text.startswith(("{", "[{")):
+            raise ConfigError(f"override {item!r}: TOML syntax error: {e}") from None
         return text
     return parsed["v"] if parsed.keys() == {"v"} else text
 
@@ -90,14 +95,17 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             path = ["dkim", key[5:].strip('"')]
     else:
         path = key.split(".")
-    if not equals or len(path) < 2 or "" in path:
-        raise ConfigError(f"override {item!r}: expected SECTION.KEY=VALUE")
+    # One name alone sets a whole section: an array of tables (webhooks=[{...}]), a table
+    # of tables (pools={...}), or an inline table in place of a [section]; an unknown one
+    # gets the file's "unknown key".
+    if not equals or "" in path:
+        raise ConfigError(f"override {item!r}: expected SECTION.KEY=VALUE or SECTION=VALUE")
     table = raw
     for depth, name in enumerate(path[:-1], 1):
         table = table.setdefault(name, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{'.'.join(path[:depth])}: not a table, cannot set {key}")
-    table[path[-1]] = _override_value(text.strip())
+    table[path[-1]] = _override_value(text.strip(), item)
 
 
 def _read(path: str) -> dict[str, Any]:

@@ -27,13 +27,14 @@ def socket_path(args: argparse.Namespace) -> str:
 
 
 def load_config(args: argparse.Namespace):
-    """The daemon's config (-c, else the daemon's own default). Read only when needed:
-    -s works without a readable config."""
+    """The daemon's config (-c, else the daemon's own default), with the -o overrides the
+    daemon was given (control.socket=..., say). Read only when needed: -s works without a
+    readable config."""
     from mtaqueue import config
 
     path = args.config or config.default_path()
     try:
-        return config.load(path, [])
+        return config.load(path, args.overrides)
     except config.ConfigError as exc:
         raise Failure(str(exc)) from None
     except OSError as exc:

@@ -1,10 +1,11 @@
 """`mtaqueue-ctl`: inspect and steer a running mtaqueue daemon over its control socket.
 
 API: `main(argv=None) -> int`, the console script (also `python -m
-mtaqueue.control.ctl.main`). It parses the command line (`-c FILE | -s SOCKET`, then one
-of `subcommands.SUBCOMMANDS`), sends the subcommand's request (or runs it) and prints the
-reply: with ``--json`` the reply's data objects as JSON Lines as they arrive, else the
-subcommand's text. Every error is one line on stderr: exit 2 for usage, 1 otherwise.
+mtaqueue.control.ctl.main`). It parses the command line (`-c FILE | -s SOCKET` and `-o
+SECTION.KEY=VALUE` as the daemon takes them, then one of `subcommands.SUBCOMMANDS`),
+sends the subcommand's request (or runs it) and prints the reply: with ``--json`` the
+reply's data objects as JSON Lines as they arrive, else the subcommand's text. Every error
+is one line on stderr: exit 2 for usage, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def _parser() -> argparse.ArgumentParser:
         " built-in defaults)",
     )
     where.add_argument("-s", "--socket", metavar="SOCKET", help="control socket path")
+    parser.add_argument(
+        "-o",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config key, as the daemon's -o (repeatable)",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, sub in SUBCOMMANDS.items():
         sub_parser = commands.add_parser(name, help=sub.help, description=sub.help)
