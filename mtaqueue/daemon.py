@@ -111,6 +111,7 @@ class Daemon:
         self.hostname = cfg.listen.hostname or socket.getfqdn()
         # Everything that can fail on bad settings is built here, before any I/O.
         self.listener_settings = listener_settings(cfg, self.hostname)
+        self.listener: Listener | None = None  # bound by run()
         self.tls = tls_context(cfg)
         self.credentials = credentials(cfg)
         self.api_tokens, self.api_token_warnings = api_tokens(cfg)
@@ -149,6 +150,7 @@ class Daemon:
                 webhooks=self.events.view,
                 relay_of=self.delivery.relay_of,
                 scheduled=self.delivery.scheduled,
+                listener=lambda: self.listener.state() if self.listener is not None else {},
             ),
             top_n=cfg.metrics.top_destinations,
         )

@@ -38,6 +38,7 @@ def listener_settings(cfg: config.Config, hostname: str) -> ListenerSettings:
         max_connections_per_client=cfg.listen.max_connections_per_client,
         client_limit_exceptions=tuple(ipaddress.ip_network(n, strict=False) for n in exceptions),
         command_timeout=cfg.listen.command_timeout,
+        stress_command_timeout=cfg.listen.stress_command_timeout,
         data_timeout=cfg.listen.data_timeout,
         min_data_rate=cfg.listen.min_data_rate,
         session=SessionSettings(

@@ -80,6 +80,8 @@ class Sources:
     relay_of: Callable[[Message], str | None] = lambda message: None
     # Schedules into the scheduled queue by reason (DeliveryManager.scheduled).
     scheduled: Callable[[], Mapping[str, int]] = dict
+    # The listener's sessions, stress (0/1) and sessions shed (Listener.state).
+    listener: Callable[[], Mapping[str, int]] = dict
 
 
 @dataclass(slots=True)
@@ -273,6 +275,22 @@ class Metrics:
         for reason, count in sorted(self.sources.scheduled().items()):
             scheduled.add_metric((reason,), count)
         yield scheduled
+        listener = self.sources.listener()
+        yield GaugeMetricFamily(
+            "mtaqueue_listener_sessions",
+            "Open SMTP sessions of the submission listener",
+            value=listener.get("sessions", 0),
+        )
+        yield GaugeMetricFamily(
+            "mtaqueue_listener_stress",
+            "1 while the listener is under stress (80% of listen.max_connections taken)",
+            value=listener.get("stress", 0),
+        )
+        yield CounterMetricFamily(
+            "mtaqueue_listener_shed",
+            "Quiet sessions closed so that a newcomer got a slot, under stress",
+            value=listener.get("shed", 0),
+        )
         yield GaugeMetricFamily(
             "mtaqueue_spool_free_bytes",
             "Free space on the spool's file system",

@@ -39,6 +39,8 @@ class ListenConfig(Table):
     # Clients the per-client cap spares: CIDRs, "mynetworks" = every listen.mynetworks entry.
     client_limit_exceptions: list[str] = msgspec.field(default_factory=lambda: ["mynetworks"])
     command_timeout: Duration = duration("5m")  # deadline for one whole command line
+    # ...under stress (80% of max_connections taken): Postfix's ${stress?{10}:{300}}s
+    stress_command_timeout: Duration = duration("10s")
     data_timeout: Duration = duration("10m")  # DATA deadline, extended by what min_data_rate earns
     min_data_rate: Annotated[int, msgspec.Meta(ge=1)] = 500  # bytes/s, as Postfix's
     bare_newline: Literal["normalize", "reject"] = "normalize"

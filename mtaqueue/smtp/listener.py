@@ -16,7 +16,6 @@ import asyncio
 import ipaddress
 import ssl
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from ..submission import (
 )
 from ..transaction import Stream, Submit
 from .actions import CheckCredentials, Finish, StartTLS, Write
+from .admission import Slots, in_networks
 from .auth import Credentials
 from .server_session import ServerSession
 from .session_settings import SessionSettings
@@ -56,6 +56,7 @@ class ListenerSettings:
     max_connections_per_client: int
     client_limit_exceptions: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     command_timeout: float
+    stress_command_timeout: float  # instead, while the listener is under stress
     data_timeout: float
     min_data_rate: int
     session: SessionSettings
@@ -79,8 +80,13 @@ class Listener:
         self.signing = signing
         self.tls = tls
         self.credentials = credentials
-        self.connections: set[SubmissionProtocol] = set()
-        self.per_client: Counter[str] = Counter()
+        self.slots = Slots(
+            settings.max_connections,
+            settings.max_connections_per_client,
+            settings.client_limit_exceptions,
+            settings.session.hostname,
+            settings.stress_command_timeout,
+        )
         self.accepted = 0
         self.draining = False
         self._server: asyncio.Server | None = None
@@ -100,6 +106,26 @@ class Listener:
     def reconfigure(self, settings: ListenerSettings) -> None:
         """New limits for new sessions (the address is fixed until restart)."""
         self.settings = settings
+        self.slots.configure(
+            settings.max_connections,
+            settings.max_connections_per_client,
+            settings.client_limit_exceptions,
+            settings.session.hostname,
+            settings.stress_command_timeout,
+        )
+
+    def state(self) -> dict[str, int]:
+        """For the metrics: sessions open, whether under stress, sessions shed so far."""
+        slots = self.slots
+        return {
+            "sessions": len(slots.sessions),
+            "stress": int(slots.stress.active),
+            "shed": slots.shed_count,
+        }
+
+    @property
+    def connections(self) -> set[SubmissionProtocol]:
+        return self.slots.sessions  # type: ignore[return-value]  # only ours go in
 
     @property
     def addresses(self) -> list[str]:
@@ -107,13 +133,7 @@ class Listener:
         return [f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in self._server.sockets]
 
     def may_relay(self, client: str) -> bool:
-        return _in(client, self.settings.mynetworks)
-
-    def over_client_limit(self, client: str) -> bool:
-        settings = self.settings
-        return self.per_client[client] >= settings.max_connections_per_client and not _in(
-            client, settings.client_limit_exceptions
-        )
+        return in_networks(client, self.settings.mynetworks)
 
     async def close(self, grace: float) -> None:
         """Stop accepting; let sessions in the middle of a message finish, up to `grace`."""
@@ -137,14 +157,7 @@ class Listener:
             now = time.monotonic()
             for conn in list(self.connections):
                 conn.check_deadline(now)
-
-
-def _in(client: str, networks) -> bool:
-    try:
-        ip = ipaddress.ip_address(client)
-    except ValueError:
-        return False
-    return any(ip in net for net in networks)
+            self.slots.check(now)
 
 
 class SubmissionProtocol(asyncio.Protocol):
@@ -155,6 +168,7 @@ class SubmissionProtocol(asyncio.Protocol):
         self.client = ""
         # When the command line (or the DATA transfer) in progress must be done by.
         self.deadline = time.monotonic() + listener.settings.command_timeout
+        self.progress = time.monotonic()  # the last completed command, or DATA bytes
         self._waiting = False
         self._waited_from = 0.0  # monotonic: when the pending action began
         self._incoming: IncomingMessage | None = None  # the streamed message being written
@@ -172,15 +186,12 @@ class SubmissionProtocol(asyncio.Protocol):
         self.client = peer[0] if peer else ""
         listener = self.listener
         settings = listener.settings
-        hostname = settings.session.hostname
-        if len(listener.connections) >= settings.max_connections:
-            self._refuse(f"421 4.7.0 {hostname} Error: too many connections, try again later")
+        now = time.monotonic()
+        refusal = listener.slots.admit(self, now)
+        if refusal is not None:
+            self._refuse(refusal)
             return
-        if listener.over_client_limit(self.client):
-            self._refuse(f"421 4.7.0 {hostname} Error: too many connections from your address")
-            return
-        listener.connections.add(self)
-        listener.per_client[self.client] += 1
+        self._restart_deadline(now)  # shorter under stress
         self.session = ServerSession(
             settings.session,
             may_relay=listener.may_relay(self.client),
@@ -193,12 +204,7 @@ class SubmissionProtocol(asyncio.Protocol):
         if self._incoming is not None:  # gone in the middle of a streamed message
             self._incoming.discard()
             self._incoming = None
-        listener = self.listener
-        if self in listener.connections:
-            listener.connections.discard(self)
-            listener.per_client[self.client] -= 1
-            if listener.per_client[self.client] <= 0:
-                del listener.per_client[self.client]
+        self.listener.slots.release(self, time.monotonic())
         self.transport = None
 
     def data_received(self, data: bytes) -> None:
@@ -212,6 +218,7 @@ class SubmissionProtocol(asyncio.Protocol):
             if session.completed != completed:
                 self._restart_deadline(now)
             elif in_data:
+                self.progress = now
                 # Postfix's smtpd_min_data_rate: each read earns len/min_data_rate seconds,
                 # never more than data_timeout ahead. A stalled or trickling client runs
                 # out; one that keeps the rate can send a message of any allowed size.
@@ -415,9 +422,28 @@ class SubmissionProtocol(asyncio.Protocol):
     # -- limits ----------------------------------------------------------------------
 
     def _restart_deadline(self, now: float) -> None:
-        settings = self.listener.settings
-        in_data = self.session is not None and self.session.in_data
-        self.deadline = now + (settings.data_timeout if in_data else settings.command_timeout)
+        self.progress = now  # a command done, our reply on its way: the clock starts over
+        listener = self.listener
+        if self.in_data:
+            self.deadline = now + listener.settings.data_timeout
+        else:
+            self.deadline = now + listener.slots.command_timeout(listener.settings.command_timeout)
+
+    # -- what the listener's slots ask (admission.Session) ---------------------------------
+
+    @property
+    def in_data(self) -> bool:
+        return self.session is not None and self.session.in_data
+
+    def quiet(self, now: float) -> float:
+        """Seconds without progress: a slowloris trickling a line makes none."""
+        return now - self.progress
+
+    def give_way(self, reply: str) -> None:
+        """Closed so that a newcomer gets a slot (under stress)."""
+        if self.transport is not None:
+            self.transport.write(reply.encode() + b"\r\n")
+            self.transport.close()
 
     def _update_reading(self) -> None:
         """Read only while the client reads our replies and a pending commit has room:
@@ -434,6 +460,9 @@ class SubmissionProtocol(asyncio.Protocol):
 
     def check_deadline(self, now: float) -> None:
         session = self.session
+        if not self.in_data:  # under stress, a session from before it gets the short one too
+            timeout = self.listener.slots.command_timeout(self.listener.settings.command_timeout)
+            self.deadline = min(self.deadline, self.progress + timeout)
         if session is None or self._waiting or now <= self.deadline:
             return
         if session.closed or self._write_paused:

@@ -1,0 +1,134 @@
+"""Who gets a slot of the submission listener: the global and per-client caps, and stress.
+
+    Slots(max_connections, per_client, exceptions, hostname)
+    .admit(session, now) -> str | None   a refusal line, or None: it holds a slot now
+    .release(session, now)               it is gone
+    .check(now)                          the stress mode (the listener's sweep calls it)
+    .command_timeout(normal) -> seconds  shrunk under stress
+    .sessions, .per_client, .stress, .shed_count
+    in_networks(client, networks) -> bool
+
+A session is anything with `client`, `in_data`, `quiet(now)` and `give_way(reply)` (the
+listener's SubmissionProtocol). What gives way, and when the listener is under stress, is
+policy/smtp/stress.py's; this file keeps the counts, logs the changes and asks a session
+to go. Logs: `listener_stress` (state entered/left, sessions, max, the busiest address and
+its slots) and `session_shed` (client, quiet seconds, for whom).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+from typing import Protocol
+
+from ..logs import get_logger
+from .stress import SessionView, Stress, shed
+
+log = get_logger("listener")
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class Session(Protocol):
+    client: str
+
+    @property
+    def in_data(self) -> bool: ...
+
+    def quiet(self, now: float) -> float: ...
+
+    def give_way(self, reply: str) -> None: ...
+
+
+class Slots:
+    def __init__(
+        self,
+        max_connections: int,
+        per_client: int,
+        exceptions: tuple[Network, ...],
+        hostname: str,
+        stress_command_timeout: float,
+    ) -> None:
+        self.sessions: set[Session] = set()
+        self.per_client: Counter[str] = Counter()
+        self.shed_count = 0
+        self.stress = Stress(max_connections)
+        self.configure(max_connections, per_client, exceptions, hostname, stress_command_timeout)
+
+    def configure(
+        self,
+        max_connections: int,
+        per_client: int,
+        exceptions: tuple[Network, ...],
+        hostname: str,
+        stress_command_timeout: float,
+    ) -> None:
+        self.max_connections, self.max_per_client = max_connections, per_client
+        self.exceptions, self.hostname = exceptions, hostname
+        self.stress_command_timeout = stress_command_timeout
+        self.stress.max_connections = max_connections
+
+    def admit(self, session: Session, now: float) -> str | None:
+        client = session.client
+        if self.per_client[client] >= self.max_per_client and not in_networks(
+            client, self.exceptions
+        ):
+            return f"421 4.7.0 {self.hostname} Error: too many connections from your address"
+        if len(self.sessions) >= self.max_connections and not self._make_room(client, now):
+            return f"421 4.7.0 {self.hostname} Error: too many connections, try again later"
+        self.sessions.add(session)
+        self.per_client[client] += 1
+        self.check(now)
+        return None
+
+    def release(self, session: Session, now: float) -> None:
+        if session in self.sessions:
+            self.sessions.discard(session)
+            self.per_client[session.client] -= 1
+            if self.per_client[session.client] <= 0:
+                del self.per_client[session.client]
+            self.check(now)
+
+    def check(self, now: float) -> None:
+        change = self.stress.update(len(self.sessions))
+        if change is not None:
+            client, slots = (self.per_client.most_common(1) or [("", 0)])[0]
+            (log.warning if change == "entered" else log.info)(
+                "listener_stress",
+                state=change,
+                sessions=len(self.sessions),
+                max=self.max_connections,
+                busiest=client or None,
+                busiest_slots=slots,
+            )
+
+    def command_timeout(self, normal: float) -> float:
+        """The deadline for one command line: shorter under stress (Postfix's
+        `${stress?{10}:{300}}s`)."""
+        return min(normal, self.stress_command_timeout) if self.stress.active else normal
+
+    def _make_room(self, newcomer: str, now: float) -> bool:
+        """Every slot is taken: the quietest session of the busiest address gives way, if
+        one has been quiet long enough (stress.shed)."""
+        views = [SessionView(s, s.client, s.quiet(now), s.in_data) for s in self.sessions]
+        victim = shed(views)
+        if victim is None:
+            return False
+        session: Session = victim  # type: ignore[assignment]  # the key is the session
+        log.info(
+            "session_shed", client=session.client, quiet=round(session.quiet(now), 1), to=newcomer
+        )
+        self.shed_count += 1
+        self.release(session, now)
+        session.give_way(
+            f"421 4.3.2 {self.hostname} Service busy: closing this quiet session to serve others"
+        )
+        return True
+
+
+def in_networks(client: str, networks: tuple[Network, ...]) -> bool:
+    try:
+        ip = ipaddress.ip_address(client)
+    except ValueError:
+        return False
+    return any(ip in net for net in networks)
