@@ -194,12 +194,12 @@ def test_cancel_removes_what_is_not_delivered_without_a_dsn(start_api):
     assert cancelled.body == {"id": queue_id, "cancelled": ["a@example.org", "b@example.org"]}
     assert queue_id not in daemon.messages()
     assert api.get(f"/v1/messages/{queue_id}").status == 404
-    assert api.delete(f"/v1/messages/{queue_id}").status == 404
+    assert api.delete(f"/v1/messages/{queue_id}").status == 409  # test_api_edges_e2e.py
     deleted = daemon.wait_event("deleted")
     assert deleted["id"] == queue_id and deleted["reason"] == "cancelled"
     by_key = api.submit(key="order-9").body["id"]
     assert api.delete("/v1/messages?idempotency_key=order-9").body["id"] == by_key
-    assert api.delete("/v1/messages?idempotency_key=order-9").status == 404
+    assert api.delete("/v1/messages?idempotency_key=order-9").status == 409
     daemon.restart()  # the cancel was durable
     assert daemon.messages() == {}
 

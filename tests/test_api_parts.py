@@ -1,5 +1,6 @@
 """The HTTP API's pure parts: the tokens file, composing a message, a raw message's
-content (the daemon-level behaviour is in test_api_e2e.py)."""
+content, the Idempotency-Key's check against its schema, how a message's end is told
+(the daemon-level behaviour is in test_api_e2e.py and test_api_edges_e2e.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,16 @@ import email
 import email.policy
 
 import pytest
+from jsonschema import Draft202012Validator
 
 from mtaqueue.api.compose import Part, address, compose
+from mtaqueue.api.errors import ApiError
+from mtaqueue.api.openapi import document
+from mtaqueue.api.submit import check_key
 from mtaqueue.api.tokens import Caller, load_tokens
+from mtaqueue.model import Recipient
 from mtaqueue.smtp.content import TOO_BIG, Limits, whole
+from mtaqueue.spool.finished import Ended, Finished, end_state, recipients_state
 
 OPERATOR, SHOP = "operator-0123456789abcdef", "shop-0123456789abcdef"
 
@@ -103,3 +110,45 @@ def test_a_raw_message_gets_the_listeners_limits():
     assert "header over 200" in whole(b"S: " + b"x" * 250, LIMITS)[1]
     assert whole(b"S: x\n\n\0", LIMITS)[1] is None
     assert "NUL" in whole(b"S: x\n\n\0", Limits(1000, 100, 200, reject=True))[1]
+
+
+# -- the Idempotency-Key: the server's check is the OpenAPI document's schema ----------
+
+_KEYS = [
+    "order-1", "a", "a b", "commande-é №1", "\U0001f600", "x\u200by", "k" * 256,
+    "", " ", "\t", "k" * 257, " a", "a ", "a\tb", "a\nb", "a\x7f", "a\x85", "\u00a0",
+    "a\u00a0", "\u3000a", "\ufeffa", "\u200b", "\u2028",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("key", _KEYS)
+def test_the_server_takes_exactly_the_keys_the_openapi_schema_allows(key):
+    (parameter,) = document()["paths"]["/v1/messages"]["post"]["parameters"]
+    allowed = Draft202012Validator(parameter["schema"]).is_valid(key)
+    try:
+        check_key(key)
+    except ApiError as exc:
+        assert exc.status == 400 and exc.message.startswith("Idempotency-Key: ")
+        assert not allowed, key
+    else:
+        assert allowed, key
+
+
+# -- how a message left the queue ----------------------------------------------------
+
+
+def test_the_end_state_of_a_message_and_the_bounded_memory_of_ends():
+    delivered = Recipient("a@x.org", state="delivered")
+    bounced = Recipient("b@x.org", state="bounced")
+    assert end_state("done", [delivered, delivered]) == "delivered"
+    assert end_state("done", [delivered, bounced]) == "finished"
+    assert end_state("cancelled", [Recipient("a@x.org")]) == "cancelled"
+    assert end_state("cancelled by revalidation", []) == "cancelled"
+    assert end_state("deleted by operator", [delivered]) == "deleted"
+    assert end_state("message file missing", []) == "deleted"
+    assert recipients_state([delivered, Recipient("c@x.org")]) == "finished"
+    finished = Finished(limit=2)
+    for queue_id in ("A", "B", "C"):
+        finished.add(queue_id, "cancelled", "shop")
+    assert finished.get("A") is None and len(finished) == 2  # the oldest is forgotten
+    assert finished.get("C") == Ended("cancelled", "shop") and finished.get("C").tenant == "shop"

@@ -8,6 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from .. import __version__
+from ..spool.finished import END_STATES, KEEP
+from ..submission import MAX_KEY_LENGTH
+from .submit import KEY_PATTERN
 
 OPENAPI_PATH = "/v1/openapi.json"
 
@@ -42,6 +45,19 @@ _RECIPIENT_STATES = ["queued", "deferred", "delivered", "bounced", "expired", "h
 
 _SCHEMAS: dict[str, Any] = {
     "Error": _object(["error"], {"error": _STRING}),
+    "Ended": _object(
+        ["error", "id", "state"],
+        {
+            "error": _STRING,
+            "id": _STRING,
+            "state": {
+                "enum": list(END_STATES),
+                "description": "how it left the queue: cancelled (by the application),"
+                " deleted (by the operator), delivered, bounced or expired (every recipient),"
+                " or finished (its recipients ended differently)",
+            },
+        },
+    ),
     "Attachment": _object(
         ["filename", "content"],
         {
@@ -188,13 +204,19 @@ _RESPONSES: dict[str, Any] = {
         401: "No token, or not a valid one (WWW-Authenticate: Bearer)",
         403: "A token bound to a tenant asked for what is not its own",
         404: "Not found (or another tenant's)",
-        409: "Nothing left to cancel: every recipient is delivered, bounced or expired",
         413: "The body or the message is larger than allowed (listen.max_message_size)",
         415: "The body is not JSON",
         422: "A recipient is suppressed (hard bounce); the error names it",
         503: "The spool cannot take mail now (writer restarting, write error): Retry-After",
         507: "The spool is full (spool.min_free): Retry-After",
     }.items()
+} | {
+    "409": _json(
+        _ref("Ended"),
+        "Nothing left to cancel: the message has left the queue (its state says how), or"
+        f" every recipient is final. One that left it before the last {KEEP:,} ends, or"
+        " before a restart, is no longer remembered: a 404, as if it never was.",
+    )
 }
 
 _ID = {"name": "id", "in": "path", "required": True, "schema": _STRING}
@@ -243,8 +265,9 @@ _IDEMPOTENCY_KEY = {
     "name": "Idempotency-Key",
     "in": "header",
     "required": False,
-    "schema": {**_STRING, "maxLength": 256},
-    "description": "as X-Mtaqueue-Idempotency-Key over SMTP",
+    "schema": {**_STRING, "minLength": 1, "maxLength": MAX_KEY_LENGTH, "pattern": KEY_PATTERN},
+    "description": "as X-Mtaqueue-Idempotency-Key over SMTP. Given, it must hold a key: empty"
+    " (or only spaces) is a 400, as is a control character or a space at either end.",
 }
 
 _PATHS: dict[str, Any] = {
@@ -286,6 +309,9 @@ _PATHS: dict[str, Any] = {
             {200: ("Cancelled", "Cancelled (durable)")},
             (400, 401, 403, 404, 409),
             parameters=(_KEY, _TENANT),
+            description="409 (with its state) if the key's message has left the queue, while"
+            " the dedupe index holds the key (submission.dedupe_window); 404 if no message"
+            " of the caller's holds it.",
         ),
     },
     "/v1/messages/{id}": {
@@ -304,7 +330,9 @@ _PATHS: dict[str, Any] = {
             {200: ("Cancelled", "Cancelled (durable)")},
             (401, 404, 409),
             parameters=(_ID,),
-            description="A recipient in the middle of an attempt may still receive it.",
+            description="A recipient in the middle of an attempt may still receive it. 409"
+            " (with its state) if the message has left the queue: cancelled, delivered, ...;"
+            " 404 if it was never queued, is no longer remembered, or is another tenant's.",
         ),
     },
     "/v1/suppressions": {

@@ -5,6 +5,9 @@ a tenant submits as that tenant and sees and cancels that tenant's mail only: an
 else's is a 404, as if it did not exist. The suppression list is shared by every tenant,
 so only unbound (operator's) tokens may read or change it.
 
+A cancel of mail that has left the queue (cancelled, delivered, ...) is a 409 naming its
+state while the spool remembers its end (spool/finished.py), a 404 after that.
+
 A submission is answered 202 only once it is as durable as an SMTP 250 (file and journal
 record synced); one whose Idempotency-Key was accepted within the dedupe window is
 answered 200 with the first message's id. Large bodies are decoded and built in a
@@ -30,6 +33,7 @@ from ..logs import get_logger
 from ..model import FINAL_STATES, Message
 from ..smtp.listener import ListenerSettings
 from ..spool.errors import DISK_LOW, StorageError, StorageFull
+from ..spool.finished import recipients_state
 from ..spool.store import Spool
 from ..submission import Received, accepted_fields
 from .errors import ApiError
@@ -192,18 +196,33 @@ class Api:
         return message_json(message, self.deps.delivery.waiting_for(message.id))
 
     async def _cancel(self, request: web.Request) -> web.Response:
-        return await self._cancelled(self._message(request))
+        queue_id = request.match_info["id"]
+        message = self.deps.spool.messages.get(queue_id)
+        if message is None:
+            self._refuse_ended(request, queue_id)
+        if message is None or not request[CALLER].sees(message.tenant):
+            raise ApiError(404, f"no message {queue_id} in the queue")
+        return await self._cancelled(message)
 
     async def _cancel_by_key(self, request: web.Request) -> web.Response:
-        found = self._by_key(request)
+        queue_id = self._key_holder(request)
+        found = None if queue_id is None else self.deps.spool.messages.get(queue_id)
         if found is None:
+            if queue_id is not None:
+                self._refuse_ended(request, queue_id)
             raise ApiError(404, "no queued message has this idempotency_key")
         return await self._cancelled(found)
 
+    def _refuse_ended(self, request: web.Request, queue_id: str) -> None:
+        """409 with its state if `queue_id` is the caller's and has left the queue."""
+        ended = self.deps.spool.finished.get(queue_id)
+        if ended is not None and request[CALLER].sees(ended.tenant):
+            raise _nothing_to_cancel(queue_id, ended.state)
+
     async def _cancelled(self, message: Message) -> web.Response:
         pending = [r.address for r in message.recipients if r.state not in FINAL_STATES]
-        if not pending:
-            raise ApiError(409, f"message {message.id} has no recipient left to cancel")
+        if not pending:  # finished, still queued until its DSN is durable
+            raise _nothing_to_cancel(message.id, recipients_state(message.recipients))
         self.deps.delivery.cancel([message], CANCELLED)
         await self.deps.spool.committed()  # the removal is durable: it will not come back
         return web.json_response({"id": message.id, "cancelled": pending})
@@ -216,8 +235,13 @@ class Api:
         return message
 
     def _by_key(self, request: web.Request) -> Message | None:
-        """The queued message holding ?idempotency_key= (of the caller's tenant, or for an
-        unbound token of ?tenant=, else of no tenant)."""
+        queue_id = self._key_holder(request)
+        return None if queue_id is None else self.deps.spool.messages.get(queue_id)
+
+    def _key_holder(self, request: web.Request) -> str | None:
+        """The id of the message holding ?idempotency_key= (of the caller's tenant, or for
+        an unbound token of ?tenant=, else of no tenant), queued or not, while the dedupe
+        index has the key."""
         caller = request[CALLER]
         key = request.query.get("idempotency_key")
         if not key:
@@ -227,8 +251,7 @@ class Api:
             if tenant not in (None, caller.tenant):
                 raise ApiError(403, "tenant: this token is bound to another tenant")
             tenant = caller.tenant
-        queue_id = self.deps.spool.key_holder(key, tenant)
-        return None if queue_id is None else self.deps.spool.messages.get(queue_id)
+        return self.deps.spool.key_holder(key, tenant)
 
     # -- suppressions ----------------------------------------------------------------
 
@@ -269,7 +292,12 @@ def _refused(request: web.Request, caller: Caller | None, error: ApiError) -> we
     else:
         tenant = caller.tenant if caller else None
         log.info("api_refused", tenant=tenant, error=error.message, **fields)
-    return web.json_response({"error": error.message}, status=error.status, headers=error.headers)
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+
+def _nothing_to_cancel(queue_id: str, state: str) -> ApiError:
+    message = f"message {queue_id} is {state}: nothing left to cancel"
+    return ApiError(409, message, fields={"id": queue_id, "state": state})
 
 
 def _storage_error(full: bool) -> ApiError:

@@ -31,6 +31,13 @@ from ..transaction import Envelope, Submit
 from .compose import Part, address, compose
 from .errors import ApiError, reply_text
 
+# An Idempotency-Key: 1 to MAX_KEY_LENGTH characters, no control character (C0, DEL, C1),
+# no space (nor zero-width one) at either end. One pattern, in the syntax Python's `re`
+# and ECMA-262 read alike: the server checks it, the OpenAPI document publishes it.
+_CONTROL = r"\x00-\x1f\x7f-\x9f"
+_SPACE = r"\x20\xa0\u1680\u2000-\u200b\u2028\u2029\u202f\u205f\u3000\ufeff"
+KEY_PATTERN = f"^[^{_CONTROL}{_SPACE}](?:[^{_CONTROL}]*[^{_CONTROL}{_SPACE}])?$"
+_KEY = re.compile(KEY_PATTERN)
 _FIELD_NAME = re.compile(r"[!-9;-~]+\Z")  # RFC 5322 ftext
 _MIME_TYPE = re.compile(r"[\w!#$&^.+-]+/[\w!#$&^.+-]+\Z", re.ASCII)  # RFC 6838 names
 _OURS = ("x-mtaqueue-class", "x-mtaqueue-expires", "x-mtaqueue-idempotency-key")
@@ -113,12 +120,24 @@ def check(
         except ValueError as exc:
             raise ApiError(400, f"expires: {sub.expires!r} {exc}") from None
     if key is not None:
-        if len(key) > MAX_KEY_LENGTH:
-            raise ApiError(400, f"Idempotency-Key: longer than {MAX_KEY_LENGTH} characters")
-        if not key.isprintable():
-            raise ApiError(400, "Idempotency-Key: a control character")
+        check_key(key)
     utf8 = not all(mailbox.isascii() for _, mailbox in [sender, *to])
-    return Checked(sub, sender, to, utf8, key or None)
+    return Checked(sub, sender, to, utf8, key)
+
+
+def check_key(key: str) -> None:
+    """ApiError 400 unless `key` (an Idempotency-Key header, as HTTP gives it: without
+    the spaces and tabs around it) is one the OpenAPI document allows."""
+    if not key or key.isspace():  # given, so meant: not taken as no key at all
+        raise ApiError(400, "Idempotency-Key: empty (give a key, or leave the header out)")
+    if len(key) > MAX_KEY_LENGTH:
+        raise ApiError(400, f"Idempotency-Key: longer than {MAX_KEY_LENGTH} characters")
+    try:
+        key.encode()
+    except UnicodeEncodeError:  # the header's bytes were not UTF-8 (surrogate-escaped)
+        raise ApiError(400, "Idempotency-Key: not valid UTF-8") from None
+    if not _KEY.fullmatch(key):
+        raise ApiError(400, "Idempotency-Key: a control character, or a space at either end")
 
 
 def _check_content(sub: Submission) -> None:

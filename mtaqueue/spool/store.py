@@ -4,7 +4,7 @@
     report = await spool.open()          # RecoveryReport; raises SpoolLocked, StorageError
     spool.accept(message, content) / incoming(message) / adopt / update / remove / emit
     spool.suppress / unsuppress / suppression, show(message), content(queue_id)
-    spool.messages, keys, suppressed, ids, layout, refusal, free_bytes, on_commit, ...
+    spool.messages, finished, keys, suppressed, ids, layout, refusal, free_bytes, ...
     await spool.close(timeout)
 
 `open()` locks the spool, rebuilds the queue from the journal and starts the writer
@@ -33,6 +33,7 @@ from ..logs import get_logger
 from ..model import Message
 from . import journal
 from .errors import DISK_LOW, WRITER_DOWN, SpoolLocked, StorageError, StorageFull
+from .finished import Finished, end_state
 from .incoming import ContentSigner, IncomingMessage
 from .layout import SpoolLayout
 from .message_file import read_content
@@ -71,6 +72,7 @@ class Spool:
         self._min_free = min_free  # total bytes of the file system -> bytes to keep free
         self.dedupe_window = dedupe_window
         self.messages = MessageMap()  # the queue, held encoded (records.py)
+        self.finished = Finished()  # how recent messages left it (finished.py)
         self.keys: dict[str, tuple[str, float]] = {}  # dedupe_key -> (id, created)
         self.suppressed: dict[str, Suppress] = {}  # lower-cased address -> entry
         self.ids = IdGenerator()
@@ -265,6 +267,9 @@ class Spool:
     def remove(self, queue_id: str, reason: str, final: Message | None = None) -> asyncio.Future:
         """Journal the end of a message, then delete its file (leaves the queue at once).
         `final`: its last record, if that was not journaled (what its events tell)."""
+        last = final or self.messages.get(queue_id)
+        if last is not None:
+            self.finished.add(queue_id, end_state(reason, last.recipients), last.tenant)
         self.messages.pop(queue_id)
         return self._writer.send(
             Remove(queue_id, reason, final if self.events is not None else None)
