@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from ..model import FINAL_STATES, Recipient
 
-KEEP = 100_000  # ends remembered: about 25 MB at most
+KEEP = 20_000  # ends remembered: about 5 MB at most (memory follows live state)
 CANCELLED = "cancelled"  # by the application (API, revalidation)
 DELETED = "deleted"  # by the operator, or its file lost or unreadable
 FINISHED = "finished"  # recipients ended differently (one delivered, one bounced)
