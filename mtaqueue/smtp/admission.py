@@ -111,7 +111,7 @@ class Slots:
         """Every slot is taken: the quietest session of the busiest address gives way, if
         one has been quiet long enough (stress.shed)."""
         views = [SessionView(s, s.client, s.quiet(now), s.in_data) for s in self.sessions]
-        victim = shed(views)
+        victim = shed(views, newcomer)
         if victim is None:
             return False
         session: Session = victim  # type: ignore[assignment]  # the key is the session

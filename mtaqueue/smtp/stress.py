@@ -4,7 +4,7 @@
     .update(open_sessions) -> "entered" | "left" | None   the mode, with hysteresis
     .active: bool
     SessionView(key, client, quiet, in_data)
-    shed(sessions) -> key | None                the session to close for a newcomer
+    shed(sessions, newcomer) -> key | None      the session to close for a newcomer
 
 Below ENTER of `max_connections` nothing changes. At or above it the listener is under
 stress (Postfix's `stress` parameter; it leaves under LEAVE, so that one session coming
@@ -12,9 +12,11 @@ and going does not flap): command deadlines shrink to `listen.stress_command_tim
 and sessions that make no progress give way. A newcomer that finds every slot taken gets
 one whatever its address (a leaking connection pool in `mynetworks` must not lock out
 every other client): the session closed for it is the quietest of the address that holds
-the most slots, among sessions quiet for at least QUIET_MIN (no completed command, no
-message data, for that long; a slowloris client trickling a line a byte at a time is
-quiet). A session in the middle of DATA is never chosen: DATA has its own rate floor
+the most slots. For a newcomer from that address itself (or one holding as many), only a
+session quiet for at least QUIET_MIN qualifies (no completed command, no message data, for
+that long; a slowloris client trickling a line a byte at a time is quiet), so that a
+client does not push out its own working sessions. A session in the middle of DATA is
+never chosen: DATA has its own rate floor
 (`listen.min_data_rate`), and a message on its way at a normal rate is what the listener
 is for. When no session qualifies, the newcomer is refused as before.
 """
@@ -55,9 +57,18 @@ class Stress:
         return None
 
 
-def shed(sessions: Sequence[SessionView], quiet_min: float = QUIET_MIN) -> Hashable | None:
-    """The session to close so that a newcomer gets a slot; None: nobody may give way.
-    The address holding the most slots gives way first, its quietest session first."""
+def shed(
+    sessions: Sequence[SessionView], newcomer: str, quiet_min: float = QUIET_MIN
+) -> Hashable | None:
+    """The session to close so that a newcomer from `newcomer` gets a slot; None: nobody
+    may give way. The address holding the most slots gives way, its quietest session
+    first. To an address that holds fewer slots than that, any of its sessions not in DATA
+    gives way (a flood that reconnects keeps its sessions young); to its own newcomers, or
+    one holding as many, only a session quiet for `quiet_min`."""
     slots = Counter(s.client for s in sessions)
-    quiet = [s for s in sessions if not s.in_data and s.quiet >= quiet_min]
+    if not slots:
+        return None
+    busiest = max(slots.values())
+    least = 0.0 if slots[newcomer] < busiest else quiet_min
+    quiet = [s for s in sessions if not s.in_data and s.quiet >= least]
     return min(quiet, key=lambda s: (-slots[s.client], -s.quiet)).key if quiet else None
