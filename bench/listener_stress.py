@@ -9,18 +9,20 @@ smtpd_client_connection_count_limit 50 with smtpd_client_event_limit_exceptions 
 that the limit applies to loopback clients, which are otherwise exempt as mynetworks):
 
 - a: 2,000 silent connections from one address in mynetworks (127.0.0.1): a leaking
-  connection pool; each one that is closed is opened again RECONNECT (0.5) seconds later.
-- b: 2,000 silent connections from 40 addresses (127.0.1.1-40), reopened the same way.
+  connection pool (those refused or closed are not opened again).
+- b: 2,000 silent connections from 40 addresses (127.0.1.1-40), the same way.
 - c: 500 slowloris clients (127.0.2.1): each sends one byte a second, never a whole line,
-  and reconnects when cut.
+  and connects again RECONNECT (0.5) seconds after it is cut or refused.
 - d: a and c together.
 
 While the flood holds (after FLOOD_SETTLE seconds), a probe every PROBE_EVERY seconds from
 an address of its own (127.0.0.200) and one from the flooding address (127.0.0.1), in
 turn: a whole transaction (EHLO, MAIL, RCPT, DATA, the message, the final dot). A probe
 succeeds with a 250 after the dot within 2 s of its connect. Printed per server and
-scenario: successes of each kind, their p50 and max time, the flood's connections open at
-the end, and (mtaqueue) the daemon's RSS at idle and at its peak during the flood.
+scenario: the flood's connections open when the probes start and those greeted (220) in
+all, successes of each kind with their p50 and max time, and (mtaqueue) the daemon's RSS
+(with its writer) at idle and at its peak during the flood, and the messages in its queue
+afterwards (every probe answered 250 must be there; "LOST" is printed otherwise).
 """
 
 from __future__ import annotations
@@ -103,14 +105,20 @@ async def probe(host: str, port: int, source: str) -> tuple[bool, float, str]:
             writer.close()
 
 
+FLOOD = {"open": 0, "greeted": 0}  # the flood's connections open now, and greeted in all
+
+
 async def _hold(host: str, port: int, source: str, trickle: bool, stop: asyncio.Event) -> None:
-    """One flood connection, opened again RECONNECT seconds after it is closed (a pool that
-    retries, not a tight loop), until `stop`."""
+    """One flood connection until `stop`. A slowloris client (`trickle`) opens another
+    RECONNECT seconds after one is closed; a silent one (a leaked connection) does not."""
     while not stop.is_set():
         writer = None
         try:
             reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
-            while not stop.is_set():
+            FLOOD["open"] += 1
+            greeting = await reader.readline()
+            FLOOD["greeted"] += greeting.startswith(b"220")
+            while greeting.startswith(b"220") and not stop.is_set():
                 if trickle:
                     writer.write(b"E")
                     await writer.drain()
@@ -124,7 +132,11 @@ async def _hold(host: str, port: int, source: str, trickle: bool, stop: asyncio.
             pass
         finally:
             if writer is not None:
+                FLOOD["open"] -= 1
                 writer.close()
+        if not trickle:
+            await stop.wait()
+            return
         await asyncio.sleep(RECONNECT)
 
 
@@ -141,6 +153,7 @@ def flood_tasks(scenario: str, host: str, port: int, stop: asyncio.Event) -> lis
 
 async def run_scenario(scenario: str, host: str, port: int, probes: int, rss) -> dict:
     stop = asyncio.Event()
+    FLOOD.update(open=0, greeted=0)
     tasks = flood_tasks(scenario, host, port, stop)
     peak = rss()
     settle = time.monotonic() + FLOOD_SETTLE
@@ -148,6 +161,7 @@ async def run_scenario(scenario: str, host: str, port: int, probes: int, rss) ->
         await asyncio.sleep(0.25)
         peak = max(peak, rss())
     result = Probes()
+    held = FLOOD["open"]
     for i in range(probes):
         source = OTHER if i % 2 == 0 else POOL
         ok, seconds, answer = await probe(host, port, source)
@@ -158,7 +172,7 @@ async def run_scenario(scenario: str, host: str, port: int, probes: int, rss) ->
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return {"probes": result, "rss_peak": peak}
+    return {"probes": result, "rss_peak": peak, "held": held, "greeted": FLOOD["greeted"]}
 
 
 def fmt_probes(p: Probes, source: str) -> str:
@@ -205,6 +219,11 @@ def mtaqueue_rows(scenarios: list[str], probes: int) -> list[tuple[str, dict]]:
                 idle = rss()
                 out = asyncio.run(run_scenario(scenario, "127.0.0.1", daemon.port, probes, rss))
                 out["rss_idle"] = idle
+                accepted = sum(len(t) for t in out["probes"].times.values())
+                queued = len(daemon.messages())
+                if queued != accepted:  # every 250 is a message on disk
+                    print(f"LOST: {scenario}: {accepted} accepted, {queued} in the queue")
+                out["queued"] = queued
                 rows.append((scenario, out))
             finally:
                 daemon.kill()
@@ -246,19 +265,24 @@ def main() -> int:
         else:
             print("postfix: not available (needs root and Debian's postfix); skipped")
     print(f"\nRLIMIT_NOFILE {hard}; probes every {PROBE_EVERY} s after {FLOOD_SETTLE} s of flood")
-    print("| server | scenario | probes from another address | probes from the flooding "
-          "address (127.0.0.1) | RSS idle -> peak, MiB |")  # fmt: skip
-    print("|---|---|---|---|---|")
+    print(
+        "| server | scenario | flood: open when probing / greeted in all | probes from another"
+        " address | probes from the flooding address (127.0.0.1) | RSS idle -> peak, MiB;"
+        " queued after |"
+    )
+    print("|---|---|---|---|---|---|")
     for name, rows in servers:
         for scenario, out in rows:
             p = out["probes"]
             rss = (
-                f"{out['rss_idle'] / 1024:.0f} -> {out['rss_peak'] / 1024:.0f}"
+                f"{out['rss_idle'] / 1024:.0f} -> {out['rss_peak'] / 1024:.0f};"
+                f" {out['queued']} queued"
                 if "rss_idle" in out
                 else "-"
             )
             print(
-                f"| {name} | {scenario}: {SCENARIOS[scenario]} | {fmt_probes(p, OTHER)} |"
+                f"| {name} | {scenario}: {SCENARIOS[scenario]} | {out['held']} / {out['greeted']} |"
+                f" {fmt_probes(p, OTHER)} |"
                 f" {fmt_probes(p, POOL)} | {rss} |"
             )
     return 0
