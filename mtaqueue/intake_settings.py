@@ -40,6 +40,7 @@ def listener_settings(cfg: config.Config, hostname: str) -> ListenerSettings:
         command_timeout=cfg.listen.command_timeout,
         stress_command_timeout=cfg.listen.stress_command_timeout,
         data_timeout=cfg.listen.data_timeout,
+        stress_data_timeout=cfg.listen.stress_data_timeout,
         min_data_rate=cfg.listen.min_data_rate,
         session=SessionSettings(
             hostname=hostname,

@@ -106,3 +106,25 @@ def test_slowloris_sessions_give_way_and_their_deadline_shrinks(start_daemon):
     assert cut == 10 and time.monotonic() - started < 8
     for sock in slow:
         sock.close()
+
+
+def test_under_stress_a_message_that_stalls_is_cut_sooner(start_daemon):
+    daemon = start_daemon(
+        "listen.max_connections=5", "listen.stress_data_timeout=2s", "delivery.enabled=false"
+    )
+    idle = [connect(daemon) for _ in range(4)]  # 4 of 5: stress
+    assert all(reply(s).startswith(b"220") for s in idle)
+    with connect(daemon, "127.0.0.2") as sock:
+        assert reply(sock).startswith(b"220")
+        for line in (b"EHLO c.test", b"MAIL FROM:<a@example.com>", b"RCPT TO:<b@example.org>"):
+            sock.sendall(line + b"\r\n")
+            reply(sock)
+        sock.sendall(b"DATA\r\n")
+        assert reply(sock).startswith(b"354")
+        sock.sendall(b"Subject: half a message\r\n")  # then nothing: 10 minutes normally
+        started = time.monotonic()
+        sock.settimeout(10)
+        assert reply(sock).startswith(b"421 4.4.2")
+        assert time.monotonic() - started < 4
+    for sock in idle:
+        sock.close()

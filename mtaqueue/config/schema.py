@@ -42,6 +42,7 @@ class ListenConfig(Table):
     # ...under stress (80% of max_connections taken): Postfix's ${stress?{10}:{300}}s
     stress_command_timeout: Duration = duration("10s")
     data_timeout: Duration = duration("10m")  # DATA deadline, extended by what min_data_rate earns
+    stress_data_timeout: Duration = duration("1m")  # ...under stress
     min_data_rate: Annotated[int, msgspec.Meta(ge=1)] = 500  # bytes/s, as Postfix's
     bare_newline: Literal["normalize", "reject"] = "normalize"
     max_line_length: Size = size("1MiB")  # longest line of message data (RFC 5322 says 998)

@@ -4,7 +4,7 @@
     .admit(session, now) -> str | None   a refusal line, or None: it holds a slot now
     .release(session, now)               it is gone
     .check(now)                          the stress mode (the listener's sweep calls it)
-    .command_timeout(normal) -> seconds  shrunk under stress
+    .command_timeout(normal) / .data_timeout(normal) -> seconds   shrunk under stress
     .sessions, .per_client, .stress, .shed_count
     in_networks(client, networks) -> bool
 
@@ -48,12 +48,20 @@ class Slots:
         exceptions: tuple[Network, ...],
         hostname: str,
         stress_command_timeout: float,
+        stress_data_timeout: float,
     ) -> None:
         self.sessions: set[Session] = set()
         self.per_client: Counter[str] = Counter()
         self.shed_count = 0
         self.stress = Stress(max_connections)
-        self.configure(max_connections, per_client, exceptions, hostname, stress_command_timeout)
+        self.configure(
+            max_connections,
+            per_client,
+            exceptions,
+            hostname,
+            stress_command_timeout,
+            stress_data_timeout,
+        )
 
     def configure(
         self,
@@ -62,10 +70,12 @@ class Slots:
         exceptions: tuple[Network, ...],
         hostname: str,
         stress_command_timeout: float,
+        stress_data_timeout: float,
     ) -> None:
         self.max_connections, self.max_per_client = max_connections, per_client
         self.exceptions, self.hostname = exceptions, hostname
         self.stress_command_timeout = stress_command_timeout
+        self.stress_data_timeout = stress_data_timeout
         self.stress.max_connections = max_connections
 
     def admit(self, session: Session, now: float) -> str | None:
@@ -106,6 +116,11 @@ class Slots:
         """The deadline for one command line: shorter under stress (Postfix's
         `${stress?{10}:{300}}s`)."""
         return min(normal, self.stress_command_timeout) if self.stress.active else normal
+
+    def data_timeout(self, normal: float) -> float:
+        """How far ahead message data may earn its deadline: shorter under stress (a
+        client sending at listen.min_data_rate or more never comes near it)."""
+        return min(normal, self.stress_data_timeout) if self.stress.active else normal
 
     def _make_room(self, newcomer: str, now: float) -> bool:
         """Every slot is taken: the quietest session of the busiest address gives way, if

@@ -58,6 +58,7 @@ class ListenerSettings:
     command_timeout: float
     stress_command_timeout: float  # instead, while the listener is under stress
     data_timeout: float
+    stress_data_timeout: float  # instead, while the listener is under stress
     min_data_rate: int
     session: SessionSettings
     submission: SubmissionSettings
@@ -86,6 +87,7 @@ class Listener:
             settings.client_limit_exceptions,
             settings.session.hostname,
             settings.stress_command_timeout,
+            settings.stress_data_timeout,
         )
         self.accepted = 0
         self.draining = False
@@ -112,6 +114,7 @@ class Listener:
             settings.client_limit_exceptions,
             settings.session.hostname,
             settings.stress_command_timeout,
+            settings.stress_data_timeout,
         )
 
     def state(self) -> dict[str, int]:
@@ -224,7 +227,8 @@ class SubmissionProtocol(asyncio.Protocol):
                 # out; one that keeps the rate can send a message of any allowed size.
                 settings = self.listener.settings
                 earned = self.deadline + len(data) / settings.min_data_rate
-                self.deadline = min(earned, now + settings.data_timeout)
+                timeout = self.listener.slots.data_timeout(settings.data_timeout)
+                self.deadline = min(earned, now + timeout)
             self._continue(action)
         except Exception:  # a bug must cost one session a clear reply, not hang it
             log.exception("session_failed", client=self.client)
@@ -425,7 +429,7 @@ class SubmissionProtocol(asyncio.Protocol):
         self.progress = now  # a command done, our reply on its way: the clock starts over
         listener = self.listener
         if self.in_data:
-            self.deadline = now + listener.settings.data_timeout
+            self.deadline = now + listener.slots.data_timeout(listener.settings.data_timeout)
         else:
             self.deadline = now + listener.slots.command_timeout(listener.settings.command_timeout)
 
