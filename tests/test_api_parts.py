@@ -134,6 +134,15 @@ def test_the_server_takes_exactly_the_keys_the_openapi_schema_allows(key):
         assert allowed, key
 
 
+def test_a_cancel_by_key_states_that_the_key_may_not_be_empty():
+    # The server answers an empty idempotency_key "required" (400): the schema says so.
+    for method in ("get", "delete"):
+        parameters = document()["paths"]["/v1/messages"][method]["parameters"]
+        [key] = [p for p in parameters if p["name"] == "idempotency_key"]
+        assert not Draft202012Validator(key["schema"]).is_valid("")
+        assert Draft202012Validator(key["schema"]).is_valid("order-1")
+
+
 # -- how a message left the queue ----------------------------------------------------
 
 

@@ -225,7 +225,7 @@ _KEY = {
     "name": "idempotency_key",
     "in": "query",
     "required": True,
-    "schema": _STRING,
+    "schema": {**_STRING, "minLength": 1},  # empty: "idempotency_key: required" (400)
     "description": "as given in the Idempotency-Key header of the submission",
 }
 _TENANT = {
