@@ -358,3 +358,10 @@ def test_suspensions_lists_those_in_force_latest_release_last(hosts):
     assert [s.host for s in hosts.suspensions(20.0)] == ["a.example.org", "b.example.org"]
     assert [s.host for s in hosts.suspensions(65.0)] == ["b.example.org"]
     assert hosts.suspensions(75.0) == []
+
+
+def test_held_is_any_source_in_force(hosts):
+    assert not hosts.held("mx.example.org", 0.0)
+    hosts.failed("mx.example.org", 0.0, None, "192.0.2.7")
+    assert hosts.held("mx.example.org", 1.0)  # for one source: held all the same
+    assert not hosts.held("mx.example.org", BASE + 1.0)

@@ -3,6 +3,7 @@
     HostSuspensions(base, maximum)
     .failed(host, now, reply, source) -> until      .succeeded(host, source)
     .suspended / .until / .reason (host, now, source); .available / .next_release (hosts)
+    .held(host, now) -> bool            suspended for any source
     .lift(host, now) -> bool            an operator's flush or unsuspend, for every source
     .suspensions(now) -> [Suspension]   every one in force (mtaqueue-ctl hosts)
     .snapshot(now, source) -> {host: until}
@@ -160,6 +161,10 @@ class HostSuspensions:
                 return None
             releases.append(until)
         return min(releases, default=None)
+
+    def held(self, host: str, now: float) -> bool:
+        """Whether `host` is suspended for any source at `now`."""
+        return any(now < entry.until for entry in self._hosts.get(host, {}).values())
 
     def lift(self, host: str, now: float) -> bool:
         """An operator lifts `host`'s suspension for every source (flush, unsuspend): it
