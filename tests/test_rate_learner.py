@@ -195,6 +195,22 @@ def test_what_was_learned_survives_and_decays_after_hours():
     assert (fresh.rate, fresh.good, fresh.concurrency) == (rl.SLOW_START, 0.0, 0)
 
 
+def test_a_stated_start_is_what_a_quiet_destination_decays_back_to():
+    # A relayhost (a named hop starts at a stated rate) cut to 40/s, then quiet for hours:
+    # it drifts back toward its stated 1,000/s, not toward the 2/s slow start...
+    learner = RateLearner(0.0, start=1000.0)
+    learner.good, learner.rate = 50.0, 40.0
+    send_for(learner, 0.0, 1.0)
+    saved = learner.learned()
+    later = RateLearner(saved.at + rl.QUIET + rl.HALF_LIFE, saved, start=1000.0)
+    assert later.rate == pytest.approx(1000.0 + (learner.rate - 1000.0) / 2)
+    # ...and once forgotten it starts there again.
+    assert RateLearner(saved.at + rl.FORGET, saved, start=1000.0).rate == 1000.0
+    # The same happens to a live learner when traffic comes back after the quiet.
+    learner.sent(saved.at + rl.QUIET + rl.HALF_LIFE)
+    assert learner.rate == pytest.approx(later.rate)
+
+
 def test_only_lessons_are_kept():
     assert not rl.kept(Learned(rl.SLOW_START, at=0.0), 1.0)  # a message or two: nothing
     assert rl.kept(Learned(8.0, at=0.0), 1.0)  # grew: the rate it took

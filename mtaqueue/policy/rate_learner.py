@@ -39,8 +39,9 @@ kept for people:
   limit); a ceiling of 0 means none, not no pacing.
 
 What was learned survives restarts (`Learned`, saved by delivery/upkeep.py) and decays toward
-the slow start after hours without traffic: HALF_LIFE after QUIET, and a destination
-quiet for FORGET starts over. All times are seconds, rates messages per second.
+the slow start (a stated rate, if higher: a relayhost's) after hours without traffic:
+HALF_LIFE after QUIET, and a destination quiet for FORGET starts over. All times are
+seconds, rates messages per second.
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def cooldown(rate: float) -> float:
     return max(COOLDOWN_MIN, min(COOLDOWN, PAUSE_MESSAGES / rate))
 
 
-def decayed(learned: Learned, now: float) -> Learned | None:
-    """`learned` after the time without traffic since `learned.at`; None once forgotten."""
+def decayed(learned: Learned, now: float, start: float = SLOW_START) -> Learned | None:
+    """`learned` after the time without traffic since `learned.at`, drifting toward
+    `start` (the slow start, or a stated rate above it); None once forgotten."""
     idle = now - learned.at
     if idle >= FORGET:
         return None
@@ -116,7 +118,7 @@ def decayed(learned: Learned, now: float) -> Learned | None:
     good = learned.good * weight if weight >= 0.25 else 0.0  # long quiet: slow start again
     return msgspec.structs.replace(
         learned,
-        rate=SLOW_START + (learned.rate - SLOW_START) * weight,
+        rate=start + (learned.rate - start) * weight,
         good=good,
         concurrency=learned.concurrency if weight >= 0.25 else 0,
     )
@@ -135,9 +137,10 @@ class RateLearner:
     def __init__(self, now: float, learned: Learned | None = None, *, start: float = 0.0) -> None:
         """`start`: the rate (messages a second) to begin at without history, if more than
         SLOW_START (an admin's stated rate for this destination)."""
-        learned = decayed(learned, now) if learned is not None else None
+        self._start = max(SLOW_START, start)  # where it begins, and decays back to
+        learned = decayed(learned, now, self._start) if learned is not None else None
         if learned is None:
-            learned = Learned(max(SLOW_START, start), at=now)
+            learned = Learned(self._start, at=now)
         self.rate = learned.rate
         self.good = learned.good
         self.rate_reply = learned.rate_reply
@@ -318,8 +321,8 @@ class RateLearner:
     def _wake(self, now: float) -> None:
         """Traffic at `now`: what decayed while it was quiet is taken as learned."""
         if now - self._at > QUIET:
-            current = decayed(self.learned(), now)
-            fresh = Learned(SLOW_START, at=now) if current is None else current
+            current = decayed(self.learned(), now, self._start)
+            fresh = Learned(self._start, at=now) if current is None else current
             self.rate, self.good, self.concurrency = fresh.rate, fresh.good, fresh.concurrency
         self._at = max(self._at, now)
 
