@@ -24,14 +24,19 @@ def net():
         yield mail
 
 
+def listed(net, start_daemon, *overrides: str):
+    """The provider refuses our address at MAIL FROM; a daemon with `overrides`."""
+    mx, home = net.peers
+    mx.on("mail", LISTED)
+    return mx, home, start_daemon(*net.daemon_overrides(), *FAST, *overrides)
+
+
 def mails(peer) -> int:
     return sum(1 for entry in peer.log if entry.phase == "mail")
 
 
 def test_a_5xx_about_us_at_mail_keeps_every_message_and_pauses(net, start_daemon):
-    mx, home = net.peers
-    mx.on("mail", LISTED)
-    daemon = start_daemon(*net.daemon_overrides(), *FAST, *FAST_ALERTS)
+    mx, home, daemon = listed(net, start_daemon, *FAST_ALERTS)
     ids = [
         daemon.send("app@sender.test", [f"a{i}@example.org", f"b{i}@example.org"], BODY)
         for i in range(6)
@@ -71,9 +76,7 @@ def test_a_5xx_about_us_at_mail_keeps_every_message_and_pauses(net, start_daemon
 
 
 def test_on_sender_block_hold_puts_the_mail_in_review(net, start_daemon):
-    mx, home = net.peers
-    mx.on("mail", LISTED)
-    daemon = start_daemon(*net.daemon_overrides(), *FAST, "classes.p1.on_sender_block=hold")
+    _, home, daemon = listed(net, start_daemon, "classes.p1.on_sender_block=hold")
     queue_id = daemon.send("app@sender.test", ["a@example.org"], BODY)
     wait_for(lambda: events(daemon, "sender_block_held"), what="held")
     message = daemon.messages()[queue_id]
@@ -84,9 +87,7 @@ def test_on_sender_block_hold_puts_the_mail_in_review(net, start_daemon):
 
 
 def test_on_sender_block_bounce_returns_the_mail_without_suppressing(net, start_daemon):
-    mx, home = net.peers
-    mx.on("mail", LISTED)
-    daemon = start_daemon(*net.daemon_overrides(), *FAST, "classes.p1.on_sender_block=bounce")
+    _, home, daemon = listed(net, start_daemon, "classes.p1.on_sender_block=bounce")
     queue_id = daemon.send("app@sender.test", ["a@example.org"], BODY)
     wait_for(lambda: queue_id not in daemon.messages(), what="the bounce")
     [dsn] = wait_for(lambda: list(home.messages), what="the DSN")
@@ -95,9 +96,7 @@ def test_on_sender_block_bounce_returns_the_mail_without_suppressing(net, start_
 
 
 def test_mail_paused_for_a_block_still_expires_with_a_dsn_that_says_why(net, start_daemon):
-    mx, home = net.peers
-    mx.on("mail", LISTED)
-    daemon = start_daemon(*net.daemon_overrides(), *FAST, "classes.p1.lifetime=4s")
+    _, home, daemon = listed(net, start_daemon, "classes.p1.lifetime=4s")
     first = daemon.send("app@sender.test", ["a@example.org"], BODY)
     wait_for(lambda: events(daemon, "sender_blocked"), what="the pause")
     # Sent during the pause: never attempted, yet its lifetime ends all the same (the

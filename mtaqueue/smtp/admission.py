@@ -1,6 +1,7 @@
 """Who gets a slot of the submission listener: the global and per-client caps, and stress.
 
-    Slots(max_connections, per_client, exceptions, hostname)
+    Slots(Limits(max_connections, per_client, exceptions, hostname, stress timeouts))
+    .configure(limits)                   a reload
     .admit(session, now) -> str | None   a refusal line, or None: it holds a slot now
     .release(session, now)               it is gone
     .check(now)                          the stress mode (the listener's sweep calls it)
@@ -10,7 +11,7 @@
 
 A session is anything with `client`, `in_data`, `quiet(now)` and `give_way(reply)` (the
 listener's SubmissionProtocol). What gives way, and when the listener is under stress, is
-policy/smtp/stress.py's; this file keeps the counts, logs the changes and asks a session
+smtp/stress.py's; this file keeps the counts, logs the changes and asks a session
 to go. Logs: `listener_stress` (state entered/left, sessions, max, the busiest address and
 its slots) and `session_shed` (client, quiet seconds, for whom).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections import Counter
+from dataclasses import dataclass
 from typing import Protocol
 
 from ..logs import get_logger
@@ -40,52 +42,38 @@ class Session(Protocol):
     def give_way(self, reply: str) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The listener's settings that the slots follow (a reload replaces them)."""
+
+    max_connections: int
+    per_client: int
+    exceptions: tuple[Network, ...]  # addresses the per-client cap spares
+    hostname: str  # said in the refusals
+    stress_command_timeout: float
+    stress_data_timeout: float
+
+
 class Slots:
-    def __init__(
-        self,
-        max_connections: int,
-        per_client: int,
-        exceptions: tuple[Network, ...],
-        hostname: str,
-        stress_command_timeout: float,
-        stress_data_timeout: float,
-    ) -> None:
+    def __init__(self, limits: Limits) -> None:
         self.sessions: set[Session] = set()
         self.per_client: Counter[str] = Counter()
         self.shed_count = 0
-        self.stress = Stress(max_connections)
-        self.configure(
-            max_connections,
-            per_client,
-            exceptions,
-            hostname,
-            stress_command_timeout,
-            stress_data_timeout,
-        )
+        self.stress = Stress(limits.max_connections)
+        self.configure(limits)
 
-    def configure(
-        self,
-        max_connections: int,
-        per_client: int,
-        exceptions: tuple[Network, ...],
-        hostname: str,
-        stress_command_timeout: float,
-        stress_data_timeout: float,
-    ) -> None:
-        self.max_connections, self.max_per_client = max_connections, per_client
-        self.exceptions, self.hostname = exceptions, hostname
-        self.stress_command_timeout = stress_command_timeout
-        self.stress_data_timeout = stress_data_timeout
-        self.stress.max_connections = max_connections
+    def configure(self, limits: Limits) -> None:
+        self.limits = limits
+        self.stress.max_connections = limits.max_connections
 
     def admit(self, session: Session, now: float) -> str | None:
         client = session.client
-        if self.per_client[client] >= self.max_per_client and not in_networks(
-            client, self.exceptions
+        if self.per_client[client] >= self.limits.per_client and not in_networks(
+            client, self.limits.exceptions
         ):
-            return f"421 4.7.0 {self.hostname} Error: too many connections from your address"
-        if len(self.sessions) >= self.max_connections and not self._make_room(client, now):
-            return f"421 4.7.0 {self.hostname} Error: too many connections, try again later"
+            return f"421 4.7.0 {self.limits.hostname} Error: too many connections from your address"
+        if len(self.sessions) >= self.limits.max_connections and not self._make_room(client, now):
+            return f"421 4.7.0 {self.limits.hostname} Error: too many connections, try again later"
         self.sessions.add(session)
         self.per_client[client] += 1
         self.check(now)
@@ -107,7 +95,7 @@ class Slots:
                 "listener_stress",
                 state=change,
                 sessions=len(self.sessions),
-                max=self.max_connections,
+                max=self.limits.max_connections,
                 busiest=client or None,
                 busiest_slots=slots,
             )
@@ -115,12 +103,12 @@ class Slots:
     def command_timeout(self, normal: float) -> float:
         """The deadline for one command line: shorter under stress (Postfix's
         `${stress?{10}:{300}}s`)."""
-        return min(normal, self.stress_command_timeout) if self.stress.active else normal
+        return min(normal, self.limits.stress_command_timeout) if self.stress.active else normal
 
     def data_timeout(self, normal: float) -> float:
         """How far ahead message data may earn its deadline: shorter under stress (a
         client sending at listen.min_data_rate or more never comes near it)."""
-        return min(normal, self.stress_data_timeout) if self.stress.active else normal
+        return min(normal, self.limits.stress_data_timeout) if self.stress.active else normal
 
     def _make_room(self, newcomer: str, now: float) -> bool:
         """Every slot is taken: the quietest session of the busiest address gives way, if
@@ -135,8 +123,9 @@ class Slots:
         )
         self.shed_count += 1
         self.release(session, now)
+        hostname = self.limits.hostname
         session.give_way(
-            f"421 4.3.2 {self.hostname} Service busy: closing this quiet session to serve others"
+            f"421 4.3.2 {hostname} Service busy: closing this quiet session to serve others"
         )
         return True
 

@@ -36,7 +36,7 @@ from ..submission import (
 )
 from ..transaction import Stream, Submit
 from .actions import CheckCredentials, Finish, StartTLS, Write
-from .admission import Slots, in_networks
+from .admission import Limits, Slots, in_networks
 from .auth import Credentials
 from .server_session import ServerSession
 from .session_settings import SessionSettings
@@ -81,14 +81,7 @@ class Listener:
         self.signing = signing
         self.tls = tls
         self.credentials = credentials
-        self.slots = Slots(
-            settings.max_connections,
-            settings.max_connections_per_client,
-            settings.client_limit_exceptions,
-            settings.session.hostname,
-            settings.stress_command_timeout,
-            settings.stress_data_timeout,
-        )
+        self.slots = Slots(_limits(settings))
         self.accepted = 0
         self.draining = False
         self._server: asyncio.Server | None = None
@@ -108,14 +101,7 @@ class Listener:
     def reconfigure(self, settings: ListenerSettings) -> None:
         """New limits for new sessions (the address is fixed until restart)."""
         self.settings = settings
-        self.slots.configure(
-            settings.max_connections,
-            settings.max_connections_per_client,
-            settings.client_limit_exceptions,
-            settings.session.hostname,
-            settings.stress_command_timeout,
-            settings.stress_data_timeout,
-        )
+        self.slots.configure(_limits(settings))
 
     def state(self) -> dict[str, int]:
         """For the metrics: sessions open, whether under stress, sessions shed so far."""
@@ -161,6 +147,17 @@ class Listener:
             for conn in list(self.connections):
                 conn.check_deadline(now)
             self.slots.check(now)
+
+
+def _limits(settings: ListenerSettings) -> Limits:
+    return Limits(
+        settings.max_connections,
+        settings.max_connections_per_client,
+        settings.client_limit_exceptions,
+        settings.session.hostname,
+        settings.stress_command_timeout,
+        settings.stress_data_timeout,
+    )
 
 
 class SubmissionProtocol(asyncio.Protocol):
