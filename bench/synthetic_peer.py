@@ -313,6 +313,8 @@ class _Session(SMTP):
 
     async def push(self, status: str | bytes) -> None:
         peer = self._peer
+        if self.transport is None or self.transport.is_closing():
+            return  # after its 421: pipelined commands behind it get no reply (none counted)
         if self._admitted and peer._slow_factor:
             delay = peer._delay(self._client)
             if delay > 0:

@@ -55,7 +55,7 @@ def test_a_strict_provider_is_learned_politely_and_remembered(start_daemon):
 
         assert report["messages"]["accepted"] == MESSAGES
         assert report["blocklist"]["listings"] == 0
-        assert report["reply_classes"]["5xx"] == 0
+        assert report["reply_classes"]["5xx"] == 0, json.dumps(report["replies"])
         # It learned the rate and the connection cap from a few throttle replies...
         assert throttle_replies(report) <= 12, report["replies"]
         assert report["connections"]["max_concurrent_per_client"] <= CONNECTIONS + 1

@@ -1,0 +1,72 @@
+"""A fuzzing server against the pipelining client: each command and each content gets a
+reply drawn at random, valid or not (a refusal, a 421, a reply to another command, two
+replies, garbage, a multi-line reply with mixed codes, none at all), and the replies come
+split across writes. Whatever it does: every recipient gets an outcome, and none is
+delivered unless the server answered 2xx to that message's content."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from group_peer import GroupPeer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_pipeline import pipeline_of
+
+from mtaqueue.config import TimeoutsConfig
+from mtaqueue.policy.classify import classify
+from mtaqueue.smtp.client import ClientSettings, SmtpConnection
+
+TIMEOUTS = TimeoutsConfig(mail=0.3, rcpt=0.3, data_start=0.3, data_done=0.3)
+SETTINGS = ClientSettings("mx.test", TIMEOUTS, "off")
+
+REPLIES = [
+    None,  # the default: 250 / 354
+    None,
+    None,
+    "250 2.1.0 ok",
+    "251 2.1.5 forwarded",
+    "354 go",
+    "550 5.1.1 no such user",
+    "451 4.3.0 try later",
+    "503 5.5.1 bad sequence",
+    "421 4.7.0 closing",
+    "252 2.1.0 what",
+    "220 hello again",
+    "250 ok\r\n250 twice",
+    "250-first\r\n250 last",
+    "250-first\r\n550 last",
+    "hello garbage",
+    "",  # no reply: a stall
+]
+
+
+@pytest.mark.parametrize("keywords", [("PIPELINING",), ("PIPELINING", "CHUNKING")])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_nothing_is_delivered_without_a_2xx_to_its_content(keywords, data):
+    def answer(verb: str, arg: str) -> str | None:
+        if verb in ("EHLO", "QUIT"):
+            return None
+        return data.draw(st.sampled_from(REPLIES), label=f"{verb} {arg}")
+
+    peer = GroupPeer(keywords, answer, pieces=lambda: data.draw(st.integers(1, 3)))
+    tags = [f"m{i}" for i in range(4)]
+
+    async def go():
+        port = await peer.start()
+        try:
+            conn = await SmtpConnection.open("mx.example.org", "127.0.0.2", port, SETTINGS)
+            results = await pipeline_of(conn, tags, rcpts=("a@example.org", "b@example.org"))
+            await conn.quit()
+            return results
+        finally:
+            await peer.stop()
+
+    results = asyncio.run(asyncio.wait_for(go(), 60))
+    for tag, replies in zip(tags, results, strict=False):
+        assert len(replies) == 2 and all(reply is not None for reply in replies)
+        for reply in replies:
+            if classify(reply).outcome == "delivered":
+                assert peer.messages.get(tag, "").startswith("2"), (tag, reply, peer.messages)
