@@ -7,7 +7,6 @@ waits for each reply in turn stalls against it.
     .flushes      how many times it wrote replies (one round trip each, for the client)
     .messages     {message tag: the reply it gave to that message's content}
     .commands     every command line it read, in order
-    pieces()      how many writes the next flush is cut into (replies split mid-line)
     answer(verb, arg) -> str | None    a reply of the test's ("DOT" for the content, the
                   tag as arg); None keeps the default; "" sends nothing; "421 ..." closes
 
@@ -29,10 +28,8 @@ class GroupPeer:
         self,
         keywords: tuple[str, ...] = ("PIPELINING",),
         answer: Callable[[str, str], str | None] | None = None,
-        pieces: Callable[[], int] = lambda: 1,
     ) -> None:
         self.keywords = keywords
-        self.pieces = pieces
         self.answer = answer or (lambda verb, arg: None)
         self.flushes = 0
         self.messages: dict[str, str] = {}
@@ -71,13 +68,8 @@ class GroupPeer:
         if not data:
             return
         self.flushes += 1
-        count = max(1, self.pieces())
-        size = -(-len(data) // count)
-        for start in range(0, len(data), size):  # a reply split across writes
-            writer.write(data[start : start + size])
-            await writer.drain()
-            if start + size < len(data):
-                await asyncio.sleep(0.002)
+        writer.write(data)
+        await writer.drain()
 
     def reply(self, verb: str, arg: str) -> str:
         custom = self.answer(verb, arg)

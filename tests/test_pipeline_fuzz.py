@@ -1,8 +1,14 @@
 """A fuzzing server against the pipelining client: each command and each content gets a
 reply drawn at random, valid or not (a refusal, a 421, a reply to another command, two
-replies, garbage, a multi-line reply with mixed codes, none at all), and the replies come
-split across writes. Whatever it does: every recipient gets an outcome, and none is
-delivered unless the server answered 2xx to that message's content."""
+replies, garbage, a multi-line reply with mixed codes, none at all). Whatever it does:
+every recipient gets an outcome, and none is delivered unless the server answered 2xx to
+that message's content. (Replies split across reads: test_reply_stream.py.)
+
+One script is out of any client's reach with CHUNKING: a server that answers one command
+of a group twice and another (BDAT) not at all. With DATA the 354 is a reply no other
+command gets, so a shift shows; in a BDAT group every reply may be a 250, and two faults
+that cancel out leave a count that fits. For such a group only the first property is
+asserted (smtp/pipeline.py says so too); every other script must meet both."""
 
 from __future__ import annotations
 
@@ -46,12 +52,24 @@ REPLIES = [
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_nothing_is_delivered_without_a_2xx_to_its_content(keywords, data):
+    faults: dict[str, set[str]] = {}  # this group's: "twice", "none"
+    cancelled: set[str] = set()  # messages whose BDAT group had both
+
     def answer(verb: str, arg: str) -> str | None:
         if verb in ("EHLO", "QUIT"):
             return None
-        return data.draw(st.sampled_from(REPLIES), label=f"{verb} {arg}")
+        if verb == "MAIL":
+            faults.clear()
+        reply = data.draw(st.sampled_from(REPLIES), label=f"{verb} {arg}")
+        if reply is not None and "\r\n250 " in reply:
+            faults.setdefault("twice", set())
+        if reply == "":
+            faults.setdefault("none", set())
+        if verb == "DOT" and "CHUNKING" in keywords and faults.keys() == {"twice", "none"}:
+            cancelled.add(arg)
+        return reply
 
-    peer = GroupPeer(keywords, answer, pieces=lambda: data.draw(st.integers(1, 3)))
+    peer = GroupPeer(keywords, answer)
     tags = [f"m{i}" for i in range(4)]
 
     async def go():
@@ -68,5 +86,5 @@ def test_nothing_is_delivered_without_a_2xx_to_its_content(keywords, data):
     for tag, replies in zip(tags, results, strict=False):
         assert len(replies) == 2 and all(reply is not None for reply in replies)
         for reply in replies:
-            if classify(reply).outcome == "delivered":
+            if classify(reply).outcome == "delivered" and tag not in cancelled:
                 assert peer.messages.get(tag, "").startswith("2"), (tag, reply, peer.messages)

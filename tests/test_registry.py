@@ -69,7 +69,7 @@ def test_forget_learned_drops_live_and_remembered_lessons():
     reg.learned["mx2.example.net"] = lesson
     assert reg.forget_learned("mx2.example.net", T0) == 1
     assert "mx2.example.net" not in reg.learned
-    assert rate_learner.decode(reg.learned_data(T0)).keys() <= {"mx1.example.net"}
+    assert rate_learner.decode(reg.learned_data(T0))[0].keys() <= {"mx1.example.net"}
 
 
 def test_a_next_hop_the_operator_named_starts_at_full_rate_an_own_mx_in_slow_start():

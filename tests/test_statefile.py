@@ -26,5 +26,5 @@ def test_learned_state_round_trips():
         "mx.a.test": Learned(2.0, at=1.0),
     }
     data = rate_learner.encode(learned)
-    assert rate_learner.decode(data) == learned
+    assert rate_learner.decode(data) == (learned, {})
     assert data.index(b"mx.a.test") < data.index(b"mx.b.test")  # stable, for diffs

@@ -15,6 +15,14 @@ Shaped like KumoMTA's dispatcher: attempt a connection, deliver a message, close
 transaction's replies go to the core (the shaper's feedback) and to the settlement;
 recipients a site's throttle refused go back to their queue uncharged. `clock` is the
 driver's, read after each await.
+
+On a server that pipelines, when a transaction's content is next the core is asked for
+the item that would go on this connection next (`core.follow`): its MAIL, RCPTs and DATA
+are written behind the final dot, and its `Send` reads their replies. One that was not
+written goes back (`core.unfollow`); one written on a connection that then ended got no
+reply and goes back too (`core.done`), uncharged. One held or deleted meanwhile cannot
+be taken back from a server waiting for its content: the connection is dropped (no dot,
+no delivery).
 """
 
 from __future__ import annotations
@@ -29,11 +37,13 @@ from ..policy.verdict import DELIVERED, TRANSIENT
 from ..scheduler.actions import Action, Connect
 from ..scheduler.active import ActiveWindow
 from ..scheduler.core import WAIT, Scheduler
-from ..smtp.client import SmtpConnection
+from ..smtp.client import Follow, SmtpConnection
+from ..smtp.pipeline import Ahead, Pending
 from ..spool.message_file import CorruptMessageFile
 from ..spool.store import Spool
 from .changes import changed_since, learned_changes, relay_refused
 from .destination import Destination, WorkItem
+from .follower import written_ahead
 from .outcomes import Outcomes, journal
 from .placement import Placement
 from .registry import Registry
@@ -222,13 +232,17 @@ class Connections:
         link.item = item
         destination = link.destination
         message = self.spool.messages.get(item.message_id)
-        assert link.conn is not None
+        assert link.conn is not None and link.conn.pipeline is not None
         now = self.clock()
+        written = link.conn.pipeline.ahead is not None  # its MAIL..DATA went behind a dot
         if message is None or message.held:
             self.active.free(item.message_id, item.indexes)
-            return self._done(conn, link, [], now)
+            if written:  # the server waits for its content: only a drop ends that
+                link.conn.abort()
+            return self._done(conn, link, [], now, reusable=False if written else None)
         families = self.placement.families(destination, item.route, now)
-        if not self.sender.fits(link.conn, item.route, now, families, destination.source):
+        fits = self.sender.fits(link.conn, item.route, now, families, destination.source)
+        if not written and not fits:
             # An idle connection to a host since suspended, or not of this route: the
             # item goes back to its queue and waits for a connection of its own.
             actions = self._done(conn, link, [], now, reusable=False)
@@ -239,9 +253,16 @@ class Connections:
             log.error("message_unreadable", id=item.message_id, error=str(exc))
             self.active.free(item.message_id, item.indexes)
             journal(self.spool.remove(item.message_id, f"unreadable: {exc}"), item.message_id)
-            return self._done(conn, link, [], now)
+            if written:
+                link.conn.abort()
+            return self._done(conn, link, [], now, reusable=False if written else None)
+        followed: list[bool] = []
         try:
-            results = await self.sender.transaction(link.conn, message, item.indexes, content)
+            results = await self.sender.transaction(
+                link.conn, message, item.indexes, content, self._follower(conn, link, followed)
+            )
+            if followed and link.conn.pipeline.ahead is None:  # it was not written
+                self.core.unfollow(self.clock(), conn)
             host = link.candidates[link.tried - 1][0]  # the one this connection went to
             self.sender.judge_host(host, item.route.port, link.conn.ip, results, destination.source)
         except Exception as exc:
@@ -258,6 +279,33 @@ class Connections:
             destination.record(now, result.reply)
         _, actions = self._settle_item(destination, item, results, now)
         return actions + self._done(conn, link, results, now)
+
+    def _follower(self, conn: int, link: Link, followed: list[bool]) -> Follow:
+        """What the client asks for when a transaction's content is next: the core's next
+        item for this connection, made into its transaction for this hop (`followed` gets
+        True when the core gave one); None, and the item back, if it cannot go behind."""
+
+        async def follow(pending: Pending) -> Ahead | None:
+            item = self.core.follow(self.clock(), conn)
+            if item is None:
+                return None
+            followed.append(True)
+            assert isinstance(item, WorkItem) and link.conn is not None
+            ahead = await written_ahead(
+                link.conn,
+                item,
+                link.destination,
+                self.spool,
+                self.placement,
+                self.sender,
+                self.clock(),
+            )
+            if ahead is None:
+                self.core.unfollow(self.clock(), conn)
+                followed.clear()
+            return ahead
+
+        return follow
 
     def _done(
         self,

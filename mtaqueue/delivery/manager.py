@@ -143,7 +143,7 @@ class DeliveryManager:
         now = self.driver.now()
         client = ClientSettings(d.helo_name or self.hostname, d.timeouts, d.tls)
         sts_tls = sts_context if cfg.mta_sts.enabled else None
-        sender = Sender(client, rules, self.hosts, d, sts_tls)
+        sender = Sender(client, rules, self.hosts, d, sts_tls, self.registry.out_of_step)
         if self.policies is None:
             self.policies = Policies(
                 cfg.mta_sts, sts_context, self.resolver, self.spool.layout.mta_sts

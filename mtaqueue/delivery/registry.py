@@ -3,6 +3,7 @@
     Registry(core, spool)
     .destinations: dict[str, Destination]     live, by key
     .learned: dict[str, Learned]              lessons of destinations not live now
+    .out_of_step: OutOfStep                   hosts spoken to in lock-step (learned too)
     .configure(cfg, relays_by_key, smarthosts, now)   a start or a reload: new pacing
     .create(key, domain, route, relay, now, source) -> Destination
     .retire(destination, now)                 forget one with nothing to do or remember
@@ -10,7 +11,7 @@
     .matching(name) -> [Destination]          an operator's name (key, or a domain)
     .steer(name, apply, now) -> [key]         a limit or backoff, now and for later ones
     .forget_learned(name, now) -> int
-    .learned_data(now) -> bytes               the learned.json state file
+    .learned_data(now) -> bytes               the learned.json state file (both)
     .domains(now, sender, egress) -> [dict]   state of each live destination
 
 A destination appears when mail is routed to it and goes when it is quiet; its learned
@@ -26,6 +27,7 @@ from ..logs import get_logger
 from ..model import PENDING
 from ..policy import rate_learner
 from ..policy.egress import EgressState
+from ..policy.pipelining import OutOfStep
 from ..policy.shaper import DestinationShaper, pacing_for, stated_rate
 from ..routing.pools import Source
 from ..routing.relays import Relay
@@ -48,6 +50,7 @@ class Registry:
         self.spool = spool
         self.destinations: dict[str, Destination] = {}
         self.learned: dict[str, rate_learner.Learned] = {}
+        self.out_of_step = OutOfStep()
         self._overrides: dict[str, Steer] = {}
         self._relays_by_key: dict[str, Relay] = {}
         self._smarthosts: dict[str, Smarthost] = {}
@@ -205,7 +208,7 @@ class Registry:
         self.learned = {
             key: lesson for key, lesson in learned.items() if rate_learner.kept(lesson, now)
         }
-        return rate_learner.encode(self.learned)
+        return rate_learner.encode(self.learned, self.out_of_step.state(now))
 
     def domains(self, now: float, sender: Sender, egress: EgressState) -> list[dict]:
         """The live destinations' state (for metrics and `mtaqueue-ctl domains`)."""

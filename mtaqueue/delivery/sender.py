@@ -23,16 +23,26 @@ from ..model import Message
 from ..policy.classify import Rule, classify
 from ..policy.hosts import EVERY, HostSuspensions, host_key
 from ..policy.mta_sts import AS_USUAL, VERIFY, requirement
+from ..policy.pipelining import OutOfStep
 from ..policy.replies import Reply
 from ..policy.settle import Result
 from ..policy.shaper import REFUSALS_PER_CONNECTION
 from ..policy.tls_report import Session, result_type
-from ..policy.verdict import ABOUT_US, AUTH, DELIVERED, HOST, IPV6, THROTTLING
+from ..policy.verdict import (
+    ABOUT_US,
+    AUTH,
+    DELIVERED,
+    HOST,
+    IPV6,
+    THROTTLING,
+    TOO_MANY_RECIPIENTS,
+)
 from ..routing.pools import Source, family_of
 from ..routing.relays import STARTTLS
 from ..routing.resolver import Route
 from ..routing.sts import Applied
-from ..smtp.client import ClientSettings, ConnectFailed, Smarthost, SmtpConnection
+from ..smtp.client import ClientSettings, ConnectFailed, Follow, Smarthost, SmtpConnection
+from ..smtp.pipeline import Ahead, Pending
 from . import mta_sts
 
 log = get_logger("delivery")
@@ -56,10 +66,12 @@ class Sender:
         hosts: HostSuspensions,
         delivery: config.DeliveryConfig,
         sts_context: ssl.SSLContext | None = None,
+        out_of_step: OutOfStep | None = None,
     ) -> None:
         self.client = client
         self.rules = rules
         self.hosts = hosts
+        self.out_of_step = out_of_step or OutOfStep()  # outlives a reload, as `hosts`
         self.delivery = delivery
         # MTA-STS: STARTTLS required, the certificate verified for the MX name (as a
         # smarthost's required TLS is, smtp/client.py).
@@ -193,6 +205,8 @@ class Sender:
                 conn = await self._open_sts(host, ip, port, sts, need, client, tls)
             if conn.tls:
                 tls.succeeded()
+            if conn.pipeline is not None:
+                conn.pipeline.lockstep = self.out_of_step.lockstep(ip, time.time())
             return conn
         except ConnectFailed as failed:
             if failed.reply.phase == "starttls":
@@ -272,26 +286,58 @@ class Sender:
         return not (last_one and kind == THROTTLING)
 
     async def transaction(
-        self, conn: SmtpConnection, message: Message, indexes: list[int], content: bytes
+        self,
+        conn: SmtpConnection,
+        message: Message,
+        indexes: list[int],
+        content: bytes,
+        follow: Follow | None = None,
     ) -> list[Result]:
         """Send to these recipients; those refused as "too many" go in further transactions
-        on the same connection (RFC 5321 4.5.3.1.10), as long as each one makes progress."""
+        on the same connection (RFC 5321 4.5.3.1.10), as long as each one makes progress.
+        `follow`: the next transaction to write behind this one's final dot (client.send),
+        unless recipients are left for another transaction here."""
         results: list[Result] = []
         pending = list(indexes)
         while pending:
             rcpts = [message.recipients[i] for i in pending]
-            replies = await conn.send(message, rcpts, content, self.delivery.timeouts)
+            replies = await conn.send(
+                message, rcpts, content, self.delivery.timeouts, self._unless_more(follow)
+            )
+            self._learn_step(conn)
             outcomes = [
                 self.result(i, reply, conn.host, conn.ip, relayed=not conn.dsn)
                 for i, reply in zip(pending, replies, strict=True)
             ]
             _count_refusals(conn, outcomes)
-            again = [r.index for r in outcomes if r.verdict.kind == "too_many_recipients"]
+            again = [r.index for r in outcomes if r.verdict.kind == TOO_MANY_RECIPIENTS]
             if not again or len(again) == len(pending) or not conn.usable:
                 return results + outcomes
-            results += [r for r in outcomes if r.verdict.kind != "too_many_recipients"]
+            results += [r for r in outcomes if r.verdict.kind != TOO_MANY_RECIPIENTS]
             pending = again
         return results
+
+    def _unless_more(self, follow: Follow | None) -> Follow | None:
+        """`follow`, unless a recipient was refused as one too many: the rest go next."""
+        if follow is None:
+            return None
+
+        async def unless_more(pending: Pending) -> Ahead | None:
+            for reply in pending.judged.recipients:
+                if reply is not None and classify(reply, self.rules).kind == TOO_MANY_RECIPIENTS:
+                    return None
+            return await follow(pending)
+
+        return unless_more
+
+    def _learn_step(self, conn: SmtpConnection) -> None:
+        """A host that answered a pipelined group out of step is spoken to in lock-step
+        from now on (policy/pipelining.py)."""
+        pipeline = conn.pipeline
+        if pipeline is not None and pipeline.out_of_step and not pipeline.lockstep:
+            pipeline.lockstep = True
+            self.out_of_step.learned(conn.ip, time.time())
+            log.warning("pipelining_out_of_step", host=conn.host, ip=conn.ip)
 
     def result(
         self,

@@ -62,7 +62,9 @@ class Upkeep:
     def load(self) -> None:
         try:
             data = statefile.read(self.layout.learned)
-            self.registry.learned = rate_learner.decode(data) if data else {}
+            if data:
+                self.registry.learned, lockstep = rate_learner.decode(data)
+                self.registry.out_of_step.restore(lockstep)
         except (OSError, ValueError) as exc:  # learning starts over: nothing is lost
             log.warning("learned_unreadable", error=str(exc))
         try:

@@ -327,16 +327,20 @@ class RateLearner:
         self._at = max(self._at, now)
 
 
-class _Saved(msgspec.Struct):
+class _Saved(msgspec.Struct, omit_defaults=True):
     destinations: dict[str, Learned]
-    version: int = 1
+    version: int  # (always written: 1)
+    lockstep: dict[str, float] = {}  # hosts spoken to in lock-step (policy/pipelining.py)
 
 
-def encode(learned: dict[str, Learned]) -> bytes:
+def encode(learned: dict[str, Learned], lockstep: dict[str, float] | None = None) -> bytes:
     """The state file's content (spool/statefile.py writes it)."""
-    return msgspec.json.encode(_Saved(dict(sorted(learned.items()))))
+    saved = _Saved(dict(sorted(learned.items())), 1, lockstep or {})
+    return msgspec.json.encode(saved)
 
 
-def decode(data: bytes) -> dict[str, Learned]:
-    """Raises msgspec.DecodeError (a subclass of ValueError) for a damaged file."""
-    return msgspec.json.decode(data, type=_Saved).destinations
+def decode(data: bytes) -> tuple[dict[str, Learned], dict[str, float]]:
+    """The destinations' lessons and the lock-step hosts; raises msgspec.DecodeError (a
+    subclass of ValueError) for a damaged file."""
+    saved = msgspec.json.decode(data, type=_Saved)
+    return saved.destinations, saved.lockstep

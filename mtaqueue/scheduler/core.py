@@ -3,6 +3,7 @@
     Scheduler(classes, max_connections=, connection_idle=, rate=, tenant_rate=)
     events:  add_destination, forget, configure, reclassify, schedule, tick, enqueue,
              connected, connect_failed, done, abandon, remove   -> list[Action]
+             follow(now, conn) -> item | None; unfollow(now, conn)
     views:   slots(key), waiting(key), inserted (schedules by reason)
 
 It holds the scheduled queue (message ids by due time), a ready queue per destination
@@ -228,6 +229,17 @@ class Scheduler(Generic[T]):
         self._admission.end(slot)
         return [GiveUp(conn, item), *self._run(now)]
 
+    def follow(self, now: float, conn: int) -> object | None:
+        """The transaction on `conn` is about to send its content: the item that may ride
+        right behind it (its commands written behind the final dot, RFC 2920), if the
+        connection would take it at once anyway (slots.py `follow`). `done` then sends
+        it, or puts it back if the connection ended; `unfollow` if it was not written."""
+        return self._admission.follow(self._slots[conn], now)
+
+    def unfollow(self, now: float, conn: int) -> None:
+        """The item `follow` gave was not written: back at the head of its queue."""
+        self._admission.unfollow(self._slots[conn], now)
+
     def done(
         self,
         now: float,
@@ -254,9 +266,12 @@ class Scheduler(Generic[T]):
             entries = destination.queue.remove(lambda entry: True)
             actions.append(Release(destination.key, tuple(item for item, _, _ in entries)))
         if not reusable or slot.transactions >= destination.pacing.messages_per_connection:
-            self._admission.end(slot)
+            self._admission.end(slot)  # (a follower goes back: its commands got no reply)
             if reusable:
                 actions.append(Close(conn))
+        elif slot.follower is not None:  # already on the wire: it goes on
+            (slot.item, slot.klass, slot.tenant), slot.follower = slot.follower, None
+            actions.append(Send(conn, slot.item))
         else:
             slot.state, slot.until = IDLE, now + self._admission.connection_idle
         return actions + self._run(now)

@@ -9,7 +9,9 @@
     .room(now) / .parks_at()        a global slot free; when a connect next stops counting
     .answered(slot)                 its connect opened or failed
     .first_class_first(slot, now)   a just-opened slot takes first-class work instead
-    .end(slot)                      a slot is over
+    .follow(slot, now) -> item      the next item, written behind a transaction's content
+    .unfollow(slot, now)            it did not go: back at the head of its queue
+    .end(slot)                      a slot is over (a follower goes back)
 
 Every `Connect` has the destination shaper's connect_wait == 0 for a slot counted with
 the others (the next MX host of a failed connect too), and every item handed out has its
@@ -42,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import Pacing
+from ..policy.breaker import CLOSED
 from ..policy.buckets import TokenBucket
 from ..policy.fairness import FairQueue, class_order
 from ..policy.shaper import DestinationShaper
@@ -65,6 +68,7 @@ class Slot:
     transactions: int = 0
     until: float = 0.0  # IDLE: closes then
     since: float = 0.0  # CONNECTING: when its Connect went out
+    follower: Entry | None = None  # SENDING: the next item, written behind this one
 
 
 @dataclass(slots=True)
@@ -269,6 +273,38 @@ class Admission:
                 self._bucket(entry[2], now).take(now)
         slot.item, slot.klass, slot.tenant = entry
 
+    def follow(self, slot: Slot, now: float) -> object | None:
+        """The item that goes right behind the transaction on `slot` (PIPELINING: its
+        commands ride behind the content's final dot), its tokens taken; None unless the
+        connection would take it at once anyway: under messages_per_connection, kept by
+        the shaper, its circuit closed, no other destination waiting for a slot."""
+        station = self.stations[slot.destination]
+        shaper = station.shaper
+        if slot.follower is not None or self._others_starve(station.key):
+            return None
+        if slot.transactions + 2 > station.pacing.messages_per_connection:
+            return None
+        active, reserved = station.counts()
+        if shaper.state(now).circuit != CLOSED or not shaper.keeps(
+            now, active, reserved, slot.first_class
+        ):
+            return None
+        entry, _ = self._next(station, now, slot.first_class)
+        slot.follower = entry
+        return entry[0] if entry is not None else None
+
+    def unfollow(self, slot: Slot, now: float | None = None) -> None:
+        """The follower did not go (the connection ended first, or the driver could not
+        write it): it goes back to the head of its queue (with `now`: its tenant's token
+        back too)."""
+        entry, slot.follower = slot.follower, None
+        if entry is None:
+            return
+        self.stations[slot.destination].queue.put_back(entry, entry[1], entry[2])
+        tenant = entry[2]
+        if tenant is not None and self.tenant_rate and now is not None:
+            self._bucket(tenant, now).give_back(now)
+
     def _next(
         self, station: Station, now: float, first_class: bool
     ) -> tuple[Entry | None, float | None]:
@@ -305,6 +341,8 @@ class Admission:
         return bucket
 
     def end(self, slot: Slot) -> None:
+        if slot.id in self.slots:
+            self.unfollow(slot)
         self.connecting.answered(slot.id)
         self.slots.pop(slot.id, None)
         station = self.stations[slot.destination]

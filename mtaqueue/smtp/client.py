@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiosmtplib
@@ -34,7 +35,7 @@ from ..config import TimeoutsConfig
 from ..model import Message, Recipient
 from ..policy.replies import COMPLETES, Reply
 from ..routing.relays import IMPLICIT, STARTTLS
-from .pipeline import Pipeline, network, smtp_reply
+from .pipeline import Ahead, Pending, Pipeline, network, smtp_reply
 from .reply_stream import ReplyStream
 
 
@@ -55,6 +56,10 @@ class Smarthost:
     user: str = ""  # "" = no AUTH
     password: str = field(default="", repr=False)
     ca_file: str = ""  # what `context` trusts ("" = the system's CA store)
+
+
+# What the delivery side gives for the transaction to write behind a Pending one's dot.
+Follow = Callable[[Pending], Awaitable[Ahead | None]]
 
 
 class ConnectFailed(Exception):
@@ -244,18 +249,31 @@ class SmtpConnection:
             await _step(self, "ehlo", self.client.helo(timeout=timeout))  # an old server
 
     async def send(
-        self, message: Message, recipients: list[Recipient], content: bytes, t: TimeoutsConfig
+        self,
+        message: Message,
+        recipients: list[Recipient],
+        content: bytes,
+        t: TimeoutsConfig,
+        follow: Follow | None = None,
     ) -> list[Reply]:
         """One transaction (smtp/pipeline.py); returns the decisive reply for each
-        recipient, in order.
+        recipient, in order. `follow`, asked when the content is next on a pipelining
+        session: the transaction to write behind its final dot (then `pipeline.ahead`
+        says whether it went out with its replies, for the next `send` of that message).
 
         Every failure is a reply: a refusal, a network event, a protocol error, or a local
         error (ours) for anything else before the final dot. A session left in doubt is
         closed (`usable` turns false) so that no later reply can be taken for another's.
         """
         self.transactions += 1
+        pipeline = self.pipeline
+        assert pipeline is not None
         try:
-            return await self.pipeline.send(message, recipients, content, t)
+            begun = await pipeline.begin(message, recipients, content, t)
+            if isinstance(begun, list):
+                return begun
+            then = await follow(begun) if follow is not None and pipeline.pipelining else None
+            return await pipeline.finish(begun, t, then)
         except Exception as exc:  # a bug of ours before the final dot: nothing was delivered
             self.abort()
             reply = network("mail", "local", f"local error: {type(exc).__name__}: {exc}")

@@ -18,8 +18,14 @@ whatever its recipients; its replies are read with this one's and kept (`ahead`)
 its own `begin`. No RSET follows a transaction that ended cleanly.
 
 Each reply is read for its own command (exchange.judge). A server that answers out of
-step is closed at once and marked (`out_of_step`): the caller then speaks to that host in
-lock-step (`lockstep`). A transaction whose reply after the dot was not read is left to
+step (a reply that fits no command of ours there, one too many, replies that stop coming
+in the middle of a group) is closed at once and marked (`out_of_step`): the caller then
+speaks to that host in lock-step (`lockstep`). With DATA the 354 is a reply no other
+command gets, so a reply shifted onto the wrong command always shows before the content
+goes; in a BDAT group every reply may be a 250, and a server that answers one command
+twice and BDAT not at all cannot be told from one in step (no client can).
+
+A transaction whose reply after the dot was not read is left to
 the ambiguous-outcome policy; one written behind it whose replies never came was never
 sent as far as the caller is concerned (`ahead` is None): it goes back uncharged.
 """
@@ -113,7 +119,7 @@ class Pipeline:
             exchange, unsent = made
             replies = await self._steps(exchange, t)
         judged = judge(replies, len(exchange.rcpts), exchange.chunking)
-        if judged.in_step and self.usable and self.stream.buffered:  # a reply too many
+        if judged.in_step and self.stream.buffered:  # a reply too many (closed after it, say)
             text = "protocol error: more replies than commands"
             extra = network(replies[-1].phase, "protocol", text)
             judged = Judged([extra] * len(exchange.rcpts), False, False, False, False)
@@ -144,12 +150,14 @@ class Pipeline:
         if then is not None and self.usable:
             replies = await self._replies(then.exchange, t)
             judged = judge(replies, len(then.exchange.rcpts), then.exchange.chunking)
-            if judged.in_step:
-                self.ahead = Ahead(then.message_id, then.exchange, then.unsent, replies)
-            else:  # the reply taken for the dot's may have been another's
+            if not judged.in_step or self.stream.buffered:  # the dot's may be another's
                 self._out_of_step()
                 text = "protocol error: replies out of step after the end of data"
                 final = network("data_end", "protocol", text)
+            elif replies[-1].network == "timeout":  # commands behind a dot went unheard
+                self.out_of_step = True
+            else:
+                self.ahead = Ahead(then.message_id, then.exchange, then.unsent, replies)
         return _each(pending.judged, pending.unsent, final, count)
 
     async def exchange(
@@ -226,11 +234,15 @@ class Pipeline:
         return replies
 
     async def _replies(self, exchange: Exchange, t: TimeoutsConfig) -> list[Reply]:
-        """A reply to each step written, until a network event or a 421 ends the session."""
+        """A reply to each step of a pipelined group, until a network event or a 421 ends
+        the session. A group's replies come together: one that stops coming after the
+        first (too few: a server that drops commands it reads ahead) is out of step."""
         replies: list[Reply] = []
         for phase, _ in exchange.steps:
             replies.append(await self._read(phase, _timeout(phase, t)))
             if replies[-1].code in (0, 421):
+                if replies[-1].network == "timeout" and len(replies) > 1:
+                    self.out_of_step = True
                 break
         return replies
 

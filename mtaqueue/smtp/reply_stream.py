@@ -95,7 +95,9 @@ class ReplyStream(asyncio.Protocol):
 
     @property
     def buffered(self) -> bool:
-        return bool(self._buffer or self._replies)
+        """Bytes that nobody asked for came: a reply, part of one, or garbage."""
+        garbage = self._ended is not None and self._ended.event == "protocol"
+        return bool(self._buffer or self._replies) or garbage
 
     def write(self, data: bytes) -> None:
         if not self.open:
