@@ -2,6 +2,7 @@
 
     main_cf(pf) -> {parameter: value}   main.cf for the instance's mode and options
     write_config(pf)                    conf/main.cf, conf/master.cf and the map files
+                                        (and queue/etc/resolv.conf with a `resolver`)
     TLSMGR, VIRTUAL                     master.cf lines for smtpd's TLS, Maildir delivery
 
 `pf` is a PostfixInstance; these read its settings and write nothing outside its workdir.
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 # Default master.cf minus TLS, local/virtual/lmtp delivery and the pipe examples; chroot off
 # (a chroot would need copies of /etc files in the queue directory). The smtpd line is added
-# in front, bound to the one address given.
+# in front, bound to the one address given; it alone runs chrooted with a `resolver`.
 _MASTER_CF = """\
 pickup    unix  n       -       n       60      1       pickup
 cleanup   unix  n       -       n       -       0       cleanup
@@ -121,9 +122,15 @@ def main_cf(pf: PostfixInstance) -> dict[str, str]:
             "smtpd_tls_security_level": "may",
             "smtpd_tls_loglevel": "1",
         }
+    client = []
     if pf.client_access:
-        cidr = pf.config_dir / "client_access.cidr"
-        params["smtpd_client_restrictions"] = f"check_client_access cidr:{cidr}"
+        client.append(f"check_client_access cidr:{pf.config_dir / 'client_access.cidr'}")
+    if pf.dnsbl:  # looked up through the resolver; a reply of the map's, else Postfix's own
+        client += [f"reject_rbl_client {zone}" for zone in pf.dnsbl]
+        if any(pf.dnsbl.values()):
+            params["rbl_reply_maps"] = f"texthash:{pf.config_dir / 'rbl_replies'}"
+    if client:
+        params["smtpd_client_restrictions"] = ", ".join(client)
     if pf.reply_lines:
         params["smtpd_reject_footer_maps"] = f"regexp:{pf.config_dir / 'reply_lines.regexp'}"
     params.update(pf.extra)
@@ -134,11 +141,24 @@ def write_config(pf: PostfixInstance) -> None:
     """Write the instance's configuration (its queue directory must exist)."""
     conf = pf.config_dir
     main = "".join(f"{k} = {v}\n" for k, v in main_cf(pf).items())
+    chroot = "y" if pf.resolver else "n"  # smtpd alone: its resolv.conf is in queue/etc
     hosts = [(f"[{h}]" if ":" in h else h, p) for h, p in pf.addresses]
-    smtpd = "".join(f"{h}:{p} inet n - n - - smtpd\n" for h, p in hosts)
+    smtpd = "".join(f"{h}:{p} inet n - {chroot} - - smtpd\n" for h, p in hosts)
+    if pf.resolver:  # read by smtpd's resolver inside its chroot, the queue directory
+        etc = pf.queue_dir / "etc"
+        etc.mkdir(mode=0o755, exist_ok=True)
+        (etc / "resolv.conf").write_text(
+            f"nameserver {pf.resolver}\noptions timeout:1 attempts:2\n"
+        )
     if pf.client_access:  # cidr: tables are read as they are, no postmap
         (conf / "client_access.cidr").write_text(
             "".join(f"{net} {action}\n" for net, action in pf.client_access.items())
+        )
+    if any(pf.dnsbl.values()):  # "$" would start a parameter: the texts go as they are
+        (conf / "rbl_replies").write_text(
+            "".join(
+                f"{zone} {reply.replace('$', '$$')}\n" for zone, reply in pf.dnsbl.items() if reply
+            )
         )
     if pf.reply_lines:  # "\c": no empty line between the reply and its footer
         (conf / "reply_lines.regexp").write_text(

@@ -1,7 +1,7 @@
 """A private, throwaway Postfix instance, for tests and benchmarks, loopback only.
 
     PostfixInstance(workdir, listen, mode, relay, **options)   a context manager
-        .start() / .stop() / .set_mode(mode, relay) / .set_tls(cert, key)
+        .start() / .stop() / .reload() / .set_mode(mode, relay) / .set_tls(cert, key)
         .stored(domain) -> [bytes]     receive mode: what it delivered to a Maildir
         .queue_count() / .in_flight() / .wait_settled(t) / .wait_drained(t) / .flush()
         .maillog                       its log file (received() reads it)
@@ -13,7 +13,10 @@ Everything lives under one work directory: ``conf/`` (main.cf, master.cf), ``que
 ``data/`` and ``maillog``. The instance is started with ``postfix -c WORKDIR/conf start``;
 the system Postfix (``/etc/postfix``) is neither used, started nor touched, and nothing but
 loopback addresses is ever configured: smtpd listens on one loopback address:port, mail goes
-to ``[127.0.0.1]:PORT`` and DNS is off (no MX lookups, no client name lookups).
+to ``[127.0.0.1]:PORT`` and DNS is off (no MX lookups, no client name lookups), unless a
+``resolver`` is given: then smtpd alone runs chrooted in ``queue/`` with its own
+``queue/etc/resolv.conf`` naming that one loopback nameserver (port 53, as resolv.conf
+allows no other), for its DNSBL lookups (``dnsbl``).
 
 Modes:
 
@@ -121,6 +124,12 @@ class PostfixInstance:
     ``smtpd_tls_loglevel = 1``); :meth:`set_tls` swaps them (a restart). ``mailboxes``
     (receive mode): domains whose mail is delivered to ``WORKDIR/mail/DOMAIN/`` (a Maildir,
     owned by ``nobody``) rather than discarded; :meth:`stored` reads it.
+    ``resolver`` (a loopback IPv4 address with a DNS server on port 53) is the one
+    nameserver smtpd asks, chrooted in ``queue/``. ``dnsbl`` maps DNSBL zones to the reply
+    for a listed client (``{"zen.spamhaus.org": None}``: Postfix's own, ``default_rbl_reply``;
+    a text such as ``"550 5.7.1 ..."``: that, verbatim, via ``rbl_reply_maps``), checked
+    after ``client_access`` (``reject_rbl_client ZONE``); it needs a ``resolver``.
+    Attributes changed after the start take effect with :meth:`reload`.
     """
 
     def __init__(
@@ -143,6 +152,8 @@ class PostfixInstance:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         mailboxes: tuple[str, ...] = (),
+        resolver: str | None = None,
+        dnsbl: Mapping[str, str | None] | None = None,
     ) -> None:
         self.workdir = Path(workdir).absolute()
         self.listen = listen
@@ -177,6 +188,12 @@ class PostfixInstance:
         self.policy = policy
         if policy:
             parse_loopback(policy)
+        self.resolver = resolver
+        if resolver is not None:
+            parse_loopback(f"{resolver}:53")
+        self.dnsbl = dict(dnsbl or {})
+        if self.dnsbl and resolver is None:
+            raise ValueError("dnsbl needs a resolver (smtpd looks the client up there)")
         # public/ and private/ sockets must fit in sun_path (108 bytes).
         if len(str(self.queue_dir / "private" / "proxywrite")) > 100:
             raise ValueError(f"workdir path too long for Postfix's unix sockets: {self.workdir}")
@@ -343,6 +360,13 @@ class PostfixInstance:
         new = self.mail_dir / domain / "new"
         files = sorted(new.iterdir(), key=lambda f: f.stat().st_mtime) if new.is_dir() else []
         return [f.read_bytes() for f in files]
+
+    def reload(self) -> None:
+        """Rewrite the configuration from the attributes (``client_access``, ``dnsbl``,
+        ``extra``, ...) and ``postfix reload``: new smtpd processes take it; a session
+        already open keeps the old one until it ends."""
+        self._write_config()
+        self._postfix("reload", timeout=30)
 
     def _restart(self) -> None:
         self._write_config()
