@@ -100,14 +100,15 @@ def dns_on_port_53() -> DnsServer:
 
 @pytest.fixture
 def start_provider(postfix_installed) -> Iterator:
-    """Factory: start_provider(reply) -> Provider: Postfix on 127.0.0.1 listing us on
-    zen.spamhaus.org with `reply` (None: Postfix's own); the home peer on 127.0.0.9, on
+    """Factory: start_provider(reply, access=None) -> Provider: Postfix on 127.0.0.1
+    listing us on zen.spamhaus.org with `reply` (None: Postfix's own), and with an `access`
+    action for 127.0.0.1 first in its access map if given; the home peer on 127.0.0.9, on
     the same port (the daemon has one delivery.port)."""
     started: list[Provider] = []
     workdir = Path(tempfile.mkdtemp(prefix="pfx-sb-", dir="/tmp"))  # the postfix user enters
     workdir.chmod(0o755)
 
-    def start(reply: str | None = None) -> Provider:
+    def start(reply: str | None = None, access: str | None = None) -> Provider:
         dns = dns_on_port_53()
         for _ in range(20):
             home = SmtpPeer("127.0.0.9", 0).start()
@@ -125,6 +126,7 @@ def start_provider(postfix_installed) -> Iterator:
                 mailboxes=("example.org",),
                 resolver=dns.host,
                 dnsbl={ZONE: reply},
+                client_access={"127.0.0.1/32": access} if access else None,
                 main_cf={"myhostname": "mx.provider.test"},
             ),
             home,
@@ -254,3 +256,24 @@ def test_on_sender_block_bounce_returns_postfix_s_own_dnsbl_reply(start_provider
     assert "blocked using zen.spamhaus.org" in dsn.content.decode(errors="replace")
     assert ctl_json(daemon, "suppress", "list") == []  # the recipient did nothing wrong
     assert provider.delivered() == 0
+
+
+def test_postfix_s_access_map_refusal_of_our_address_is_a_sender_block(
+    start_provider, start_daemon
+):
+    # An access map listing our address, with Postfix's own words (access_map_reject_code).
+    provider = start_provider(access="REJECT")
+    daemon = start_daemon(*provider.daemon_overrides(), *FAST_ALERTS)
+    ids = [daemon.send("app@sender.test", [f"u{i}@example.org"], BODY) for i in range(3)]
+    [blocked] = wait_for(lambda: events(daemon, "sender_blocked"), what="sender_blocked")
+    assert blocked["reply"] == "554 5.7.1 <unknown[127.0.0.1]>: Client host rejected: Access denied"
+    assert {e["kind"] for e in events(daemon, "delivery")} == {"blocklist"}
+    assert recipient_states(daemon, ids) <= {"queued", "deferred"}  # not bounced
+
+    # Lifted: the map rewritten without us, postfix reload, then a flush.
+    provider.postfix.client_access = {}
+    provider.delist()
+    assert ctl_json(daemon, "flush", "--all") == [{"flushed": 3}]
+    wait_for(lambda: not daemon.messages(), timeout=20, what="the queue to drain")
+    wait_for(lambda: provider.delivered() == 3, what="3 deliveries into the Maildir")
+    assert not provider.home.messages and ctl_json(daemon, "suppress", "list") == []
