@@ -75,7 +75,7 @@ class Provider:
 
     def delist(self) -> None:
         """Off the list; and new smtpd processes, as each keeps its DNSBL answers for its
-        life (smtpd_rbl_cache: up to max_idle, 100 s, at a real site)."""
+        life (smtpd_rbl_cache; 100 sessions or 100 s idle at a real site)."""
         self.dns.remove(LISTING)
         self.postfix.reload()
 
