@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # postfix_instance
 # The spool filler must be the same code as the daemon it fills for (`python -m` runs the
 # tree's own), not whatever mtaqueue is installed: spool formats change.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # postfix_instance
 from accept_bench import Mtaqueue, print_medians
 from common import load_parser, work_directory
 from postfix_instance import PostfixInstance, SmtpSink, postfix_available, smtp_source

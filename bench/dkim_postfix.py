@@ -11,7 +11,7 @@ subdomain (signed for example.com); folded header fields. Twice: Postfix relayin
 is, then with `smtp_discard_ehlo_keywords = 8bitmime` (Postfix takes its next hop for a
 7-bit one and would convert 8-bit mail: signed mail must need no conversion). dkimpy gets
 the TXT records from the keys (the same text `mtaqueue-ctl dkim check` prints). Exit 1 if
-any signature fails. Needs root and Debian's postfix package (see postfix_instance.py);
+any signature fails. Needs root and Debian's postfix package (see tests/postfix_instance.py);
 loopback only.
 """
 
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # postfix_instance
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dkim
 from accept_bench import Mtaqueue

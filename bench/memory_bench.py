@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # postfix_instance
 from accept_bench import Mtaqueue
 from common import tree_pids, work_directory
 from postfix_instance import PostfixInstance, postfix_available, smtp_source

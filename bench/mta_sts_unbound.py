@@ -11,7 +11,7 @@ on its own loopback address (all on one port: mta_sts.https_port), serving
 `.well-known/mta-sts.txt` from its working directory with a certificate for
 `mta-sts.DOMAIN` from a test CA (tests/policy_server.py's TestCa) that mtaqueue trusts
 through mta_sts.ca_file, the CA it also verifies enforced MX hosts against. The MX hosts
-are Postfix instances in receive mode (bench/postfix_instance.py; they accept and discard):
+are Postfix instances in receive mode (tests/postfix_instance.py; they accept and discard):
 "good" offers STARTTLS with a certificate from the CA for its MX names, "wrong-name" one
 from the CA for another name, "other-ca" one for its own name from another CA, "plain" no
 STARTTLS. Postfix binds only an address an interface has (127.0.0.1 here), so each

@@ -5,7 +5,7 @@
 mtaqueue (this tree's daemon, a subprocess, the shipped conf/mtaqueue.toml with only each
 scenario's keys overridden: the pool, delivery.address_order, delivery.port and
 dns.nameservers; 3c's pool also its warmup_spread) delivers to a private Postfix 3.7 in
-`receive` mode (postfix_instance.py: what it accepts is logged and discarded) on loopback.
+`receive` mode (tests/postfix_instance.py: what it accepts is logged and discarded) on loopback.
 The MX, A and AAAA records come from a private Unbound (unbound_instance.py): example.org's
 MX has an A record (127.0.0.1), example.net's an A (127.0.0.1) and an AAAA (::1). What
 happened is read from Postfix's maillog (the client IPs and HELO names smtpd logged, what
@@ -64,6 +64,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # postfix_instance: a private Postfix
 from common import free_port, port_in_use, work_directory  # noqa: E402
 from postfix_instance import PostfixInstance, postfix_available, received  # noqa: E402
 from postfix_smarthost import Mtaqueue  # noqa: E402

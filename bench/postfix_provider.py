@@ -5,7 +5,7 @@
 
 The recovery storm's backlog (recovery_storm.py: 2% p0, 18% p1, 80% p2, each message to its
 own mailbox, queued while delivery is off, then released) sent to a private Postfix 3.7
-instance as the receiving provider (`postfix_instance.py`, `receive` mode on
+instance as the receiving provider (`tests/postfix_instance.py`, `receive` mode on
 127.0.0.1 (a free port), the MX host of example.org/.net/.com in a DNS server on loopback):
 
 - postgrey as its `check_policy_service` on a loopback port, `--delay` = `--greylist`

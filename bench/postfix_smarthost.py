@@ -3,7 +3,7 @@ mail only over TLS and only after AUTH, as an ESP's submission port does.
 
     sudo python bench/postfix_smarthost.py [--messages 5] [--mode starttls|implicit|both]
 
-For each mode, a private Postfix (bench/postfix_instance.py, receive mode: what it accepts is
+For each mode, a private Postfix (tests/postfix_instance.py, receive mode: what it accepts is
 logged and discarded) on 127.0.0.1 with smtpd_tls_security_level = encrypt,
 smtpd_tls_auth_only = yes and permit_sasl_authenticated as its only relay permission, users
 in a sasldb (saslpasswd2; PLAIN and LOGIN): "starttls" is a 587-style port, "implicit" a
@@ -37,6 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # postfix_instance: a private Postfix
 from common import free_port, stop_process, work_directory  # noqa: E402
 from postfix_instance import TLSMGR, PostfixInstance, postfix_available  # noqa: E402
 

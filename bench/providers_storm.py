@@ -63,6 +63,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent / "tests"))  # postfix_instance: a private Postfix
 
 from common import work_directory  # noqa: E402
 from outage_flush import run_mtaqueue_flush  # noqa: E402

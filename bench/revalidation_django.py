@@ -13,7 +13,7 @@ what it verified, and answers from a table keyed by idempotency key: 200 (send),
 
 mtaqueue (this tree, the shipped conf/mtaqueue.toml with the revalidate keys, the class's
 revalidate_after, a short retry schedule and delivery.relayhost as overrides) delivers to
-a private Postfix (bench/postfix_instance.py, receive mode, example.org kept in a Maildir)
+a private Postfix (tests/postfix_instance.py, receive mode, example.org kept in a Maildir)
 that defers every recipient at first (451 4.3.0, no greylisting words); once each
 message's first attempt was deferred (young: not checked) Postfix takes mail, and each
 retry (late) is checked. Two more answers: a Django redirect (302, not followed) and a 200
@@ -41,6 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # postfix_instance: a private Postfix
 from common import free_port, print_checks, stop_process, work_directory  # noqa: E402
 from postfix_instance import PostfixInstance, postfix_available  # noqa: E402
 from postfix_smarthost import Mtaqueue  # noqa: E402

@@ -13,7 +13,7 @@ A records, rcpt-sts.test's `_mta-sts` TXT and `mta-sts.` A record (its policy, m
 testing, served by `openssl s_server -WWW`: mta_sts_unbound.PolicyHost), the `_smtp._tls`
 TXT `v=TLSRPTv1; rua=mailto:tlsrpt@reports.test` of rcpt-sts.test and rcpt-plain.test
 (rcpt-norpt.test has none), reports.test's MX, and the DKIM key of sender.test (the
-reports' From). Every MX host is one Postfix instance (bench/postfix_instance.py, receive
+reports' From). Every MX host is one Postfix instance (tests/postfix_instance.py, receive
 mode): it discards the recipient domains' mail and delivers reports.test's to a Maildir
 (virtual(8)). Its STARTTLS certificate changes between three phases (a restart each, once
 every session has ended): one from the CA mtaqueue trusts (mta_sts.ca_file) for another

@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # postfix_instance
 from accept_bench import Mtaqueue, Watch, settled_rss
 from common import load_parser, stop_process, work_directory
 from delivery_bench import MTAQUEUE_PORT, SINK, run_timed

@@ -1,3 +1,12 @@
+"""Fixtures for every test file.
+
+    start_daemon("section.key=value", ..., config=, workdir=, env=) -> DaemonProcess
+    daemon -> a DaemonProcess started with the test defaults
+    postfix_installed (session): root and Debian's postfix package, or the test fails
+
+Subprocesses import this tree (PYTHONPATH), and hypothesis has no deadline.
+"""
+
 from __future__ import annotations
 
 import os
@@ -6,6 +15,7 @@ from pathlib import Path
 import pytest
 from daemon_process import DaemonProcess
 from hypothesis import settings
+from postfix_tools import POSTFIX_TOOLS
 
 # Properties check behaviour, not speed: hypothesis' per-example deadline (200 ms) would
 # turn a loaded CI machine into failures. Speed belongs in bench/.
@@ -18,6 +28,24 @@ TREE = str(Path(__file__).resolve().parent.parent)
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [TREE, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
 )
+
+
+@pytest.fixture(scope="session")
+def postfix_installed() -> None:
+    """For tests that run a private Postfix (tests/postfix_instance.py): root and Debian's
+    `postfix` package, or the test fails saying so. Never a skip: a CI without Postfix
+    must not pass them silently (.ci/run installs the package)."""
+    missing = [tool for tool in POSTFIX_TOOLS if not os.access(tool, os.X_OK)]
+    if missing:
+        pytest.fail(
+            f"Postfix is not installed ({', '.join(missing)} missing): install Debian's "
+            "`postfix` package (apt-get install postfix; .ci/run does it when run as root)",
+            pytrace=False,
+        )
+    if os.geteuid() != 0:
+        pytest.fail(
+            "a private Postfix instance needs root (its master runs as root)", pytrace=False
+        )
 
 
 @pytest.fixture

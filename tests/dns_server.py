@@ -1,4 +1,4 @@
-"""A real, authoritative-only DNS server on 127.0.0.1 (UDP and TCP) serving zone data set from
+"""A real, authoritative-only DNS server on loopback (UDP and TCP) serving zone data set from
 Python, for tests. It answers only from its own data and never forwards anything.
 
     with DnsServer() as dns:
@@ -9,6 +9,8 @@ Python, for tests. It answers only from its own data and never forwards anything
         dns.drop("slow.test")  # no answer at all: the client times out
         resolver_nameservers = [("127.0.0.1", dns.port)]  # or the config form: dns.address
         assert ("example.org", "MX") in dns.queries
+
+    DnsServer(port=53, host="127.0.53.1")  # where a resolv.conf can point (Postfix's smtpd)
 
 Any other name is NXDOMAIN; a known name without the asked type is NODATA. Negative answers
 carry an SOA whose TTL and minimum are `soa_ttl`, so clients derive their negative TTL from it.
@@ -43,7 +45,8 @@ def _name(text: str) -> dns.name.Name:
 
 
 class DnsServer:
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.soa_ttl = 60
         self.queries: list[tuple[str, str]] = []  # (lower-case name, type) in arrival order
         self._requested_port = port
@@ -90,7 +93,7 @@ class DnsServer:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self) -> DnsServer:
         self._servers = list(self._bind())
@@ -113,9 +116,9 @@ class DnsServer:
     def _bind(self) -> tuple[_UdpServer, _TcpServer]:
         # UDP and TCP on the same port; with an ephemeral port, TCP may find it taken.
         for _ in range(20):
-            udp = _UdpServer(self._requested_port, self)
+            udp = _UdpServer((self.host, self._requested_port), self)
             try:
-                tcp = _TcpServer(udp.server_address[1], self)
+                tcp = _TcpServer((self.host, udp.server_address[1]), self)
             except OSError:
                 udp.server_close()
                 if self._requested_port:
@@ -181,9 +184,9 @@ def _rrset(
 
 
 class _UdpServer(socketserver.UDPServer):
-    def __init__(self, port: int, dns: DnsServer) -> None:
+    def __init__(self, address: tuple[str, int], dns: DnsServer) -> None:
         self.dns = dns
-        super().__init__(("127.0.0.1", port), _UdpHandler)
+        super().__init__(address, _UdpHandler)
 
 
 class _UdpHandler(socketserver.BaseRequestHandler):
@@ -200,9 +203,9 @@ class _TcpServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     daemon_threads = True
 
-    def __init__(self, port: int, dns: DnsServer) -> None:
+    def __init__(self, address: tuple[str, int], dns: DnsServer) -> None:
         self.dns = dns
-        super().__init__(("127.0.0.1", port), _TcpHandler)
+        super().__init__(address, _TcpHandler)
 
 
 class _TcpHandler(socketserver.BaseRequestHandler):

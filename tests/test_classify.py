@@ -169,6 +169,16 @@ CASES = [
     " is in Spamhaus's list => transient destination blocklist 4.7.1",
     "rcpt 550 5.7.606 Access denied, banned sending IP [192.0.2.1]"
     " => transient destination blocklist 4.7.606",
+    # Postfix's client restrictions (an access map's REJECT or DEFER, verbatim from a private
+    # `postfix -c DIR` instance), a custom text too; not its complaint about our pipelining
+    "rcpt 554 5.7.1 <unknown[127.0.0.1]>: Client host rejected: Access denied"
+    " => transient destination blocklist 4.7.1",
+    "rcpt 450 4.7.1 <unknown[127.0.0.1]>: Client host rejected: Access denied"
+    " => transient destination blocklist 4.7.1",
+    "mail 550 5.7.1 <mx.example[192.0.2.1]>: Client host rejected: no mail from your network"
+    " => transient destination blocklist 4.7.1",
+    "rcpt 503 5.5.0 <unknown[192.0.2.1]>: Client host rejected: Improper use of SMTP command"
+    " pipelining => permanent recipient protocol 5.5.0",
     "rcpt 421 4.7.0 [TSS04] Messages from 192.0.2.1 temporarily deferred due to unexpected"
     " volume or user complaints => transient destination throttling 4.7.0",
     # --- Gmail wants IPv4 from us: retried over IPv4, not bounced

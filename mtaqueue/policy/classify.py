@@ -38,7 +38,8 @@ In short, the table says:
 - about our source, in any phase, 4xx or 5xx: transient, destination, never a bounce nor a
   suppression (`verdict.ABOUT_US`; another source, a delisting or a fix of ours cures it):
   - blocklist: our address on a DNSBL or the site's own list ("blocked using", "listed at",
-    Yahoo BL2x, Microsoft "banned sending IP", Comcast BL000xxx, T-Online "(BL)");
+    Yahoo BL2x, Microsoft "banned sending IP", Comcast BL000xxx, T-Online "(BL)", Postfix's
+    "Client host rejected" with a x.7.x or no code: an access map, "Access denied");
   - sender_auth (not at AUTH): SPF, DKIM, DMARC, "unauthenticated", anti-spoofing; codes
     x.7.23, x.7.26, x.7.27, 5.7.509, 5.7.515, and Yahoo's x.7.9 after the data;
   - reputation (after the 4xx rate limits below): poor or low reputation, "not accepted from

@@ -187,6 +187,11 @@ TABLE = (
         status="5.7.501 5.7.502 5.7.503 5.7.6xx 5.7.705 5.7.708 5.7.750",
         **_OURS,
     ),
+    # Postfix names the restriction class that refused: "<host[IP]>: Client host rejected:
+    # TEXT" comes from its client restrictions (an access map listing our address, "reject"
+    # for clients outside its networks), whatever TEXT says ("Access denied" by default).
+    # Our address refused on the site's own list; a 5.5.x (pipelining misuse) stays protocol.
+    _row(BLOCKLIST, status="- x.7.x", text=r"\bclient host rejected\b", **_OURS),
     # QQ refuses with a 550 when we send too often ("Ip frequency limited"): a pause cures it.
     _row(THROTTLING, codes="5xx", text="frequency limit", **_OURS),
     # A bare "try again later" outside RCPT, even in a 421: the site deferring us.
