@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Self
 
-from postfix_instance import parse_loopback
+from postfix_tools import parse_loopback
 
 
 class DelayProxy:

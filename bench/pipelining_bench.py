@@ -23,10 +23,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # postfix_instance
 from accept_bench import Mtaqueue
 from common import free_port, load_parser, work_directory
 from delay_proxy import DelayProxy
-from postfix_instance import SMTP_SOURCE, PostfixInstance, SmtpSink
+from postfix_instance import PostfixInstance
+from postfix_tools import SMTP_SOURCE, SmtpSink
 
 SOURCE_SESSIONS = 10
 
