@@ -2,11 +2,13 @@
 wait (after DATA, a BDAT chunk, the end of data, RSET, QUIT, EHLO, NOOP), so a client that
 waits for each reply in turn stalls against it.
 
-    GroupPeer(keywords=("PIPELINING",), answer=None)   runs in the test's own event loop
+    GroupPeer(keywords=("PIPELINING",), answer=None, drop_ahead=False)   in the test's loop
     await .start() -> port / await .stop()
     .flushes      how many times it wrote replies (one round trip each, for the client)
     .messages     {message tag: the reply it gave to that message's content}
     .commands     every command line it read, in order
+    drop_ahead    a server broken for pipelining: it answers each command at once and
+                  throws away what the client wrote behind it
     answer(verb, arg) -> str | None    a reply of the test's ("DOT" for the content, the
                   tag as arg); None keeps the default; "" sends nothing; "421 ..." closes
 
@@ -28,13 +30,16 @@ class GroupPeer:
         self,
         keywords: tuple[str, ...] = ("PIPELINING",),
         answer: Callable[[str, str], str | None] | None = None,
+        drop_ahead: bool = False,
     ) -> None:
         self.keywords = keywords
+        self.drop_ahead = drop_ahead
         self.answer = answer or (lambda verb, arg: None)
         self.flushes = 0
         self.messages: dict[str, str] = {}
         self.commands: list[str] = []
         self._server: asyncio.Server | None = None
+        self._sessions: set[asyncio.Task] = set()
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._session, "127.0.0.2", 0)
@@ -44,8 +49,15 @@ class GroupPeer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        for task in self._sessions:  # sessions still open end here, not with the loop
+            task.cancel()
+        await asyncio.gather(*self._sessions, return_exceptions=True)
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._sessions.add(task)
+        task.add_done_callback(self._sessions.discard)
         session = _Session(self)
         try:
             await self._flush(writer, ["220 peer.test ESMTP"])
@@ -105,11 +117,14 @@ class _Session:
             if verb == "DOT":
                 self.peer.messages[arg] = reply
             self.replies.append(reply)
-            wait_point = verb in _WAITS
+            wait_point = verb in _WAITS or self.peer.drop_ahead
             if verb == "DATA" and reply.startswith("354"):
                 self.state = "data"
             if verb == "QUIT" or reply.startswith("421"):
                 self.over = True
+            if self.peer.drop_ahead:
+                self.buffer.clear()
+                break
         return self.replies, wait_point
 
     def _next(self) -> tuple[str, str] | None:

@@ -13,12 +13,14 @@ from group_peer import GroupPeer
 from mtaqueue.config import TimeoutsConfig
 from mtaqueue.model import Message, Recipient
 from mtaqueue.policy.classify import classify
+from mtaqueue.policy.pipelining import FORGET, OutOfStep
 from mtaqueue.policy.replies import Reply
 from mtaqueue.smtp.client import ClientSettings, SmtpConnection
 from mtaqueue.smtp.exchange import judge
 from mtaqueue.smtp.pipeline import Ahead, Pending
 
 TIMEOUTS = TimeoutsConfig(mail=2, rcpt=2, data_start=2, data_done=2)
+T0 = 1_000_000.0
 SETTINGS = ClientSettings("mx.test", TIMEOUTS, "off")
 
 
@@ -310,3 +312,39 @@ def test_a_reply_missing_after_the_dot_is_not_taken_from_the_next_group():
     (reply,) = results[0]
     assert out_of_step and reply.phase == "data_end" and reply.network == "protocol"
     assert classify(reply).outcome == "ambiguous"  # as delivery.ambiguous says, not delivered
+
+
+def test_a_server_that_drops_what_was_written_ahead_is_spoken_to_in_lock_step():
+    peer = GroupPeer(drop_ahead=True)  # answers MAIL, never sees the RCPT and DATA behind it
+
+    async def go():
+        port = await peer.start()
+        conn = await SmtpConnection.open("mx.example.org", "127.0.0.2", port, SETTINGS)
+        m = message("m1")
+        first = await conn.send(m, list(m.recipients), content("m1"), TIMEOUTS)
+        dropped = conn.pipeline.out_of_step
+        # What the sender does with that (delivery/sender.py): lock-step from now on.
+        again = await SmtpConnection.open("mx.example.org", "127.0.0.2", port, SETTINGS)
+        again.pipeline.lockstep = True
+        second = await again.send(m, list(m.recipients), content("m1"), TIMEOUTS)
+        await again.quit()
+        await peer.stop()
+        return first, dropped, second
+
+    first, dropped, second = run(go())
+    assert dropped
+    assert first[0].network == "timeout" and first[0].phase == "rcpt"
+    assert classify(first[0]).outcome == "transient"
+    assert second[0].code == 250 and second[0].phase == "data_end"
+    assert peer.messages == {"m1": "250 2.0.0 queued"}
+
+
+def test_hosts_out_of_step_are_remembered_and_forgotten_after_a_while():
+    hosts = OutOfStep()
+    hosts.learned("192.0.2.1", T0)
+    assert hosts.lockstep("192.0.2.1", T0 + 86400) and not hosts.lockstep("192.0.2.2", T0)
+    kept = OutOfStep()
+    kept.restore(hosts.state(T0 + 1))  # learned.json, across a restart
+    assert kept.lockstep("192.0.2.1", T0 + 2)
+    assert not kept.lockstep("192.0.2.1", T0 + FORGET)  # a fixed server gets pipelining back
+    assert kept.state(T0 + FORGET) == {}

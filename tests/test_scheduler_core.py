@@ -157,6 +157,36 @@ def test_the_swapped_item_gives_its_tenant_token_back():
     assert of(actions, Send) == [Send(opening.conn, "news")]  # shop got its token back
 
 
+def test_the_next_item_rides_behind_the_dot_while_the_connection_may_take_it():
+    """PIPELINING: when a transaction's content is next, the core gives the item this
+    connection would take next; done() sends it, or puts it back if the connection ended."""
+    ok = [(OK, classify(OK, ()))]
+    p = pacing(max_connections=1, initial_connections=1, reserved_p0=0, messages_per_connection=3)
+    sched = scheduler(p)
+    (opening,) = of(enqueue_many(sched, T0, "p2", "m", 4), Connect)
+    conn = opening.conn
+    assert of(sched.connected(T0, conn), Send) == [Send(conn, "m0")]
+    assert sched.follow(T0, conn) == "m1"
+    assert sched.waiting("d")["p2"] == 2
+    assert of(sched.done(T0 + 1, conn, reusable=True, replies=ok), Send) == [Send(conn, "m1")]
+    assert sched.follow(T0 + 1, conn) == "m2"  # the connection's third and last
+    sched.unfollow(T0 + 1, conn)  # it could not be written: back at the head
+    assert sched.waiting("d")["p2"] == 2
+    assert sched.follow(T0 + 1, conn) == "m2"
+    assert of(sched.done(T0 + 2, conn, reusable=True, replies=ok), Send) == [Send(conn, "m2")]
+    assert sched.follow(T0 + 2, conn) is None  # messages_per_connection reached
+    actions = sched.done(T0 + 3, conn, reusable=True, replies=ok)
+    assert of(actions, Close) == [Close(conn)]
+    # A follower written on a connection that then ended goes back, and goes next.
+    (again,) = of(actions, Connect)
+    assert again.item == "m3"
+    sched.connected(T0 + 3, again.conn)
+    sched.enqueue(T0 + 3, "d", "m4", "p2")
+    assert sched.follow(T0 + 3, again.conn) == "m4"
+    actions = sched.done(T0 + 4, again.conn, reusable=False, replies=ok)
+    assert not of(actions, Send) and [c.item for c in of(actions, Connect)] == ["m4"]
+
+
 def test_a_throttle_reply_stops_new_connections_and_idle_ones_close():
     p = pacing(max_connections=4, initial_connections=4, reserved_p0=0)
     sched = scheduler(p)
@@ -285,11 +315,14 @@ class Storm(RuleBasedStateMachine):
                 assert slot["state"] in ("connected", "idle")
                 if slot["state"] == "idle":
                     self.hand_out(slot["destination"], action.item)
+                elif slot["state"] == "followed":  # handed out when it was written ahead
+                    assert action.item == slot.pop("follower")
                 elif action.item != slot["item"]:  # p0 came while it opened: p0 goes
                     self.swap(slot["destination"], slot["item"], action.item)
                 elif self.klass[action.item] != "p0":
                     assert self.waiting[slot["destination"]]["p0"] == 0, "p0 behind bulk"
                 slot["state"], slot["item"] = "sending", action.item
+                slot["sent"] = slot.get("sent", 0) + 1
             elif isinstance(action, Close):
                 assert self.slots.pop(action.conn)["state"] in ("idle", "done")
             elif isinstance(action, GiveUp):
@@ -434,6 +467,7 @@ class Storm(RuleBasedStateMachine):
         conn = self.pick("sending", index)
         if conn is not None:
             slot = self.slots[conn]
+            key, follower = slot["destination"], slot.get("follower")
             slot["state"] = "idle" if reusable else "gone"
             slot["item"] = None
             if not reusable:
@@ -441,6 +475,15 @@ class Storm(RuleBasedStateMachine):
             actions = self.sched.done(
                 self.now, conn, reusable=reusable, replies=[(reply, classify(reply, ()))]
             )
+            sends = [a for a in actions if isinstance(a, Send) and a.conn == conn]
+            if follower is not None and reusable and sends == [Send(conn, follower)]:
+                slot["state"] = "followed"  # written behind the dot: it goes on
+                self.apply(actions)
+                return
+            if follower is not None:  # the connection ended: it waits again
+                assert not sends and (not reusable or of(actions, Close))
+                slot.pop("follower")
+                self.waiting[key][self.klass[follower]] += 1
             if reusable and conn in self.slots:
                 slot["state"] = "done"  # a Close or a Send follows, or it idles
                 closes = [a for a in actions if isinstance(a, Close) and a.conn == conn]
@@ -451,6 +494,28 @@ class Storm(RuleBasedStateMachine):
                 assert closes or sends or self.slots[conn]["state"] == "idle"
             else:
                 self.apply(actions)
+
+    @rule(index=st.integers(0, 9))
+    def follow(self, index):
+        """The content is next: the core may give the item that rides behind the dot."""
+        conn = self.pick("sending", index)
+        if conn is not None and "follower" not in self.slots[conn]:
+            slot = self.slots[conn]
+            item = self.sched.follow(self.now, conn)
+            if item is not None:
+                assert slot["sent"] + 1 <= self.pacing.messages_per_connection
+                self.hand_out(slot["destination"], item)
+                slot["follower"] = item
+
+    @rule(index=st.integers(0, 9))
+    def unfollow(self, index):
+        """It could not be written (held meanwhile, say): back to its queue."""
+        conns = sorted(c for c, s in self.slots.items() if s.get("follower"))
+        if conns:
+            conn = conns[index % len(conns)]
+            slot = self.slots[conn]
+            self.sched.unfollow(self.now, conn)
+            self.waiting[slot["destination"]][self.klass[slot.pop("follower")]] += 1
 
     @rule(key=st.sampled_from(["a", "b"]), concurrency=st.integers(1, 3))
     def operator_limit(self, key, concurrency):
