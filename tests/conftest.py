@@ -3,6 +3,8 @@
     start_daemon("section.key=value", ..., config=, workdir=, env=) -> DaemonProcess
     daemon -> a DaemonProcess started with the test defaults
     postfix_installed (session): root and Debian's postfix package, or the test fails
+    exim_available (session) -> EximBinary: Debian's Exim unpacked (fetched if missing),
+        or the test fails
 
 Subprocesses import this tree (PYTHONPATH), and hypothesis has no deadline.
 """
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from daemon_process import DaemonProcess
+from exim_fetch import EximBinary, EximUnavailable, ensure_exim
 from hypothesis import settings
 from postfix_tools import POSTFIX_TOOLS
 
@@ -45,6 +48,24 @@ def postfix_installed() -> None:
     if os.geteuid() != 0:
         pytest.fail(
             "a private Postfix instance needs root (its master runs as root)", pytrace=False
+        )
+
+
+@pytest.fixture(scope="session")
+def exim_available() -> EximBinary:
+    """For tests that run a private Exim (tests/exim_instance.py): root, and Debian's
+    exim4-daemon-light unpacked in tests/exim_fetch.py's cache, fetched with apt-get
+    download and unpacked now if it is not there yet (never installed: it would remove
+    Postfix). The test fails, saying why, where that cannot be done; never a skip."""
+    if os.geteuid() != 0:
+        pytest.fail("a private Exim daemon needs root (it binds, then drops)", pytrace=False)
+    try:
+        return ensure_exim()
+    except EximUnavailable as exc:
+        pytest.fail(
+            f"Debian's Exim cannot be had here: {exc}\n(tests/exim_fetch.py fetches it with "
+            "apt-get download as root; .ci/run does it before the tests)",
+            pytrace=False,
         )
 
 

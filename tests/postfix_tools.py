@@ -151,10 +151,11 @@ def run_on_tty(cmd: list[str], timeout: float) -> tuple[int, str]:
     return proc.returncode, output.decode(errors="replace").replace("\r\n", "\n").strip()
 
 
-def check_reachable(directory: Path) -> None:
-    """Postfix daemons run as the postfix user: every directory above queue/ must let it in."""
-    pw = pwd.getpwnam("postfix")
-    groups = {g.gr_gid for g in grp.getgrall() if "postfix" in g.gr_mem} | {pw.pw_gid}
+def check_reachable(directory: Path, user: str = "postfix") -> None:
+    """Postfix daemons run as the postfix user (Exim's, tests/exim_instance.py, as nobody):
+    every directory above queue/ must let that user in."""
+    pw = pwd.getpwnam(user)
+    groups = {g.gr_gid for g in grp.getgrall() if user in g.gr_mem} | {pw.pw_gid}
     for d in (directory, *directory.parents):
         st = d.stat()
         if st.st_uid == pw.pw_uid:
@@ -165,7 +166,7 @@ def check_reachable(directory: Path) -> None:
             ok = st.st_mode & stat.S_IXOTH
         if not ok:
             raise RuntimeError(
-                f"the postfix user cannot enter {d} (mode {st.st_mode & 0o7777:o}); "
+                f"the {user} user cannot enter {d} (mode {st.st_mode & 0o7777:o}); "
                 "use a workdir it can reach, e.g. under /tmp"
             )
 

@@ -218,16 +218,19 @@ def test_chunking_sends_a_message_in_one_round_trip_without_dot_stuffing():
 
 
 async def pipeline_of(
-    conn: SmtpConnection, tags: list[str], rcpts: tuple[str, ...] = ()
+    conn: SmtpConnection,
+    tags: list[str],
+    rcpts: tuple[str, ...] | dict[str, tuple[str, ...]] = (),
 ) -> list[list[Reply]]:
     """Each message's transaction written behind the one before's final dot, while the
-    connection lasts."""
+    connection lasts. `rcpts`: every message's recipients, or each tag's."""
     pipeline = conn.pipeline
+    to = rcpts if isinstance(rcpts, dict) else dict.fromkeys(tags, rcpts)
     results = []
     for i, tag in enumerate(tags):
         if not conn.usable:
             break
-        m = message(tag, *rcpts)
+        m = message(tag, *to[tag])
         begun = await pipeline.begin(m, list(m.recipients), content(tag), TIMEOUTS)
         if isinstance(begun, list):
             results.append(begun)
@@ -235,7 +238,7 @@ async def pipeline_of(
         assert isinstance(begun, Pending)
         then = None
         if i + 1 < len(tags):
-            nxt = message(tags[i + 1], *rcpts)
+            nxt = message(tags[i + 1], *to[tags[i + 1]])
             made = await pipeline.exchange(nxt, list(nxt.recipients), content(tags[i + 1]))
             exchange, unsent = made
             then = Ahead(nxt.id, exchange, unsent, [])
