@@ -3,6 +3,7 @@
     with DelayProxy("127.0.0.1:2801", "127.0.0.1:2700", delay=0.025) as proxy:
         ...  # connect to 127.0.0.1:2801
         proxy.turns       client writes that came after the server had spoken: round trips
+        proxy.dots        when each end of data ("CRLF.CRLF" from a client) arrived
         proxy.connections
 
 Bytes are released in order, `delay` seconds after they arrived, each direction on its own
@@ -28,6 +29,7 @@ class DelayProxy:
         self.target = parse_loopback(target)
         self.delay = delay
         self.turns = 0
+        self.dots: list[float] = []
         self.connections = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -97,6 +99,8 @@ class DelayProxy:
                 data = await reader.read(65536)
                 if side == "client" and data and last["side"] == "server":
                     self.turns += 1
+                if side == "client":  # (an end of data split across reads is not seen)
+                    self.dots += [time.monotonic()] * data.count(b"\r\n.\r\n")
                 if data:
                     last["side"] = side
                 await queue.put((time.monotonic() + self.delay, data))

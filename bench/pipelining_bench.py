@@ -7,8 +7,9 @@ held to C connections, Postfix's smtp client beside mtaqueue's in the same run.
 `--delays` are one-way milliseconds (25 = a 50 ms round trip). Each row: messages with R
 recipients each, submitted at once with smtp-source (10 sessions) to the sender, which
 relays them all through the proxy to smtp-sink over C connections. The rate is messages
-from the sink's first to its last; round trips a message are the proxy's turns (a client
-write after the server spoke) over the messages. smtp-sink offers PIPELINING, not
+over the time from the first message's end of data to the last's, as the proxy saw them
+(smtp-sink's own counter comes in buffered bursts); round trips a message are the proxy's
+turns (a client write after the server spoke) over the messages. smtp-sink offers PIPELINING, not
 CHUNKING: a one-trip transaction needs the next message written behind the final dot.
 
 Both senders are held to C: Postfix by its destination concurrency limits (initial
@@ -39,21 +40,20 @@ def submit(target: str, messages: int, rcpts: int, size: int) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
 
 
-def drain_rate(sink: SmtpSink, base: int, messages: int, timeout: float = 900) -> float:
-    """Messages a second at the sink, from its first new message to the last."""
+def drain_rate(
+    sink: SmtpSink, base: int, proxy: DelayProxy, dots: int, messages: int, timeout: float = 900
+) -> float:
+    """Messages a second through the proxy, from the first new end of data to the last,
+    once the sink has every message."""
     started = time.monotonic()
-    first = None
-    while True:
-        got = sink.count() - base
-        now = time.monotonic()
-        if got > 0 and first is None:
-            first = now
-        if got >= messages:
-            assert first is not None
-            return (messages - 1) / max(now - first, 1e-6)
-        if now - started > timeout:
-            raise RuntimeError(f"only {got} of {messages} delivered")
-        time.sleep(0.01)
+    while sink.count() - base < messages:
+        if time.monotonic() - started > timeout:
+            raise RuntimeError(f"only {sink.count() - base} of {messages} delivered")
+        time.sleep(0.05)
+    seen = proxy.dots[dots:]
+    if len(seen) != messages:
+        raise RuntimeError(f"the proxy saw {len(seen)} ends of data for {messages} messages")
+    return (messages - 1) / max(seen[-1] - seen[0], 1e-6)
 
 
 def postfix_row(args, workdir: Path, sink: SmtpSink, delay: float, c: int, rcpts: int):
@@ -70,7 +70,7 @@ def postfix_row(args, workdir: Path, sink: SmtpSink, delay: float, c: int, rcpts
     ):
         base = sink.count()
         submit(listen, args.messages, rcpts, args.size)
-        rate = drain_rate(sink, base, args.messages)
+        rate = drain_rate(sink, base, proxy, 0, args.messages)
         return rate, proxy.turns / args.messages, proxy.connections
 
 
@@ -93,11 +93,11 @@ def mtaqueue_row(args, workdir: Path, sink: SmtpSink, delay: float, c: int, rcpt
             if time.monotonic() > deadline:
                 raise RuntimeError("the probe message did not arrive")
             time.sleep(0.05)
-        turns0, conns0 = proxy.turns, proxy.connections
+        turns0, conns0, dots0 = proxy.turns, proxy.connections, len(proxy.dots)
         try:
             base = sink.count()
             submit(f"127.0.0.1:{port}", args.messages, rcpts, args.size)
-            rate = drain_rate(sink, base, args.messages)
+            rate = drain_rate(sink, base, proxy, dots0, args.messages)
         finally:
             mq.stop()
         return rate, (proxy.turns - turns0) / args.messages, proxy.connections - conns0
