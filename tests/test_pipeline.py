@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 from group_peer import GroupPeer
+from smtp_peer import SmtpPeer
 
 from mtaqueue.config import TimeoutsConfig
 from mtaqueue.model import Message, Recipient
@@ -351,3 +352,31 @@ def test_hosts_out_of_step_are_remembered_and_forgotten_after_a_while():
     assert kept.lockstep("192.0.2.1", T0 + 2)
     assert not kept.lockstep("192.0.2.1", T0 + FORGET)  # a fixed server gets pipelining back
     assert kept.state(T0 + FORGET) == {}
+
+
+def test_aiosmtpd_with_pipelining_gets_mixed_recipients_right():
+    """aiosmtpd (tests/smtp_peer.py, PIPELINING offered) reads the group line by line:
+    each recipient's own reply, the accepted ones' content once, on one connection."""
+    with SmtpPeer("127.0.0.2", pipelining=True) as peer:
+        peer.on("rcpt", "550 5.1.1 no such user", rcpt="bad@example.org")
+        peer.on("rcpt", "452 4.2.2 mailbox full", rcpt="full@example.org")
+
+        async def go():
+            conn = await SmtpConnection.open("mx.example.org", peer.host, peer.port, SETTINGS)
+            assert conn.pipeline.pipelining
+            to = ("a@example.org", "bad@example.org", "full@example.org", "b@example.org")
+            results = await pipeline_of(conn, ["m0", "m1", "m2"], rcpts=to)
+            await conn.quit()
+            return results
+
+        results = run(go())
+        assert peer.errors == []
+    for replies in results:
+        assert [(x.phase, x.code) for x in replies] == [
+            ("data_end", 250),
+            ("rcpt", 550),
+            ("rcpt", 452),
+            ("data_end", 250),
+        ]
+    assert [m.rcpt_tos for m in peer.messages] == [["a@example.org", "b@example.org"]] * 3
+    assert peer.connections == 1
