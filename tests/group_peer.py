@@ -2,11 +2,12 @@
 wait (after DATA, a BDAT chunk, the end of data, RSET, QUIT, EHLO, NOOP), so a client that
 waits for each reply in turn stalls against it.
 
-    GroupPeer(keywords=("PIPELINING",), answer=None, drop_ahead=False)   in the test's loop
+    GroupPeer(keywords=("PIPELINING",), answer=None, drop_ahead=False, delay=0.0)
     await .start() -> port / await .stop()
     .flushes      how many times it wrote replies (one round trip each, for the client)
     .messages     {message tag: the reply it gave to that message's content}
     .commands     every command line it read, in order
+    delay         seconds before each flush: a path's round trip, as the client sees it
     drop_ahead    a server broken for pipelining: it answers each command at once and
                   throws away what the client wrote behind it
     answer(verb, arg) -> str | None    a reply of the test's ("DOT" for the content, the
@@ -31,9 +32,11 @@ class GroupPeer:
         keywords: tuple[str, ...] = ("PIPELINING",),
         answer: Callable[[str, str], str | None] | None = None,
         drop_ahead: bool = False,
+        delay: float = 0.0,
     ) -> None:
         self.keywords = keywords
         self.drop_ahead = drop_ahead
+        self.delay = delay
         self.answer = answer or (lambda verb, arg: None)
         self.flushes = 0
         self.messages: dict[str, str] = {}
@@ -79,6 +82,8 @@ class GroupPeer:
         data = "".join(f"{r}\r\n" for r in replies if r).encode()
         if not data:
             return
+        if self.delay:
+            await asyncio.sleep(self.delay)
         self.flushes += 1
         writer.write(data)
         await writer.drain()

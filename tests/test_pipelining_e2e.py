@@ -1,8 +1,10 @@
 """The daemon's delivery pipelines (issue 30): against a server that answers only where RFC
 2920 lets a client wait (tests/group_peer.py, here in a thread of its own), a backlog goes
 over one connection at one round trip a message, each message's commands written behind
-the final dot of the one before. A server that drops what was written ahead is learned:
-its mail goes in lock-step, and the lesson outlives a restart (learned.json)."""
+the final dot of the one before, where a round trip costs something (a delay at the
+peer; on loopback the daemon does not write ahead: nothing to save). A server that drops
+what was written ahead is learned: its mail goes in lock-step, and the lesson outlives a
+restart (learned.json)."""
 
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def backlog(start_daemon, overrides: tuple[str, ...], count: int) -> Iterator:
 
 
 def test_a_backlog_goes_at_one_round_trip_a_message(start_daemon, relay_to):
-    peer = GroupPeer()
+    peer = GroupPeer(delay=0.01)  # a round trip worth saving (shaper.FOLLOW_LATENCY)
     daemon = backlog(start_daemon, relay_to(peer), MESSAGES)
     wait_for(lambda: not daemon.messages(), timeout=60, what="the backlog delivered")
     assert sorted(peer.messages) == sorted(f"m{i}" for i in range(MESSAGES))
@@ -81,6 +83,14 @@ def test_a_backlog_goes_at_one_round_trip_a_message(start_daemon, relay_to):
     assert not any(c.startswith("RSET") for c in peer.commands)
     delivered = [e for e in events(daemon, "delivery") if e["outcome"] == "delivered"]
     assert len(delivered) == 3 * MESSAGES
+
+
+def test_where_a_round_trip_costs_nothing_nothing_is_written_ahead(start_daemon, relay_to):
+    peer = GroupPeer()  # loopback: a round trip is microseconds
+    daemon = backlog(start_daemon, relay_to(peer), 10)
+    wait_for(lambda: not daemon.messages(), timeout=60, what="the backlog delivered")
+    assert len(peer.messages) == 10
+    assert peer.flushes == 2 + 2 * 10  # each message's group, then its content
 
 
 def test_a_server_that_drops_commands_written_ahead_gets_them_one_at_a_time(start_daemon, relay_to):

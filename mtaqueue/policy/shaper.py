@@ -91,6 +91,12 @@ _MAIL = PHASES.index("mail")
 # used again: a strict receiver tarpits a session past a few (Postfix sleeps a second per
 # reply after smtpd_soft_error_limit, 10, and hangs up at the hard limit, 20).
 REFUSALS_PER_CONNECTION = 3
+# A transaction written behind another's final dot (PIPELINING) saves one round trip, and
+# puts one more MAIL on the wire per connection: a throttle that starts meets them all
+# (measured: at a 200/s provider on loopback, 11 rate refusals in a burst instead of 6,
+# and a blocklisting). Only where a round trip costs something: connect, greeting and
+# EHLO (three round trips) taking at least this long.
+FOLLOW_LATENCY = 0.02
 # A connection cap ("421 4.7.0 Error: too many connections from 192.0.2.1", "Too many
 # concurrent SMTP connections", Exchange's "maximum number of concurrent connections",
 # Comcast's "Too many sessions opened", Haraka's "connection concurrency limit"): the
@@ -168,6 +174,12 @@ class DestinationShaper:
         if breaker == math.inf or not self._room(active, reserved, first_class):
             return math.inf
         return max(breaker, self._connections.wait(now), self.learner.wait(now))
+
+    def pipelines(self) -> bool:
+        """Whether a transaction may be written behind another's final dot here: the
+        destination's round trips are worth saving (FOLLOW_LATENCY)."""
+        baseline = self.concurrency.baseline
+        return baseline is not None and baseline >= FOLLOW_LATENCY
 
     def keeps(self, now: float, active: int, reserved: int, first_class: bool) -> bool:
         """Whether an open connection (counted in `active`, and in `reserved` if it is a

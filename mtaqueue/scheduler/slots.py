@@ -276,11 +276,14 @@ class Admission:
     def follow(self, slot: Slot, now: float) -> object | None:
         """The item that goes right behind the transaction on `slot` (PIPELINING: its
         commands ride behind the content's final dot), its tokens taken; None unless the
-        connection would take it at once anyway: under messages_per_connection, kept by
-        the shaper, its circuit closed, no other destination waiting for a slot."""
+        connection would take it at once anyway (under messages_per_connection, kept by
+        the shaper, its circuit closed, no other destination waiting for a slot) and the
+        round trip it saves is worth it (`DestinationShaper.pipelines`)."""
         station = self.stations[slot.destination]
         shaper = station.shaper
         if slot.follower is not None or self._others_starve(station.key):
+            return None
+        if not shaper.pipelines():  # a round trip too short to be worth a MAIL ahead
             return None
         if slot.transactions + 2 > station.pacing.messages_per_connection:
             return None
