@@ -2,7 +2,8 @@
 
     start_daemon("section.key=value", ..., config=, workdir=, env=) -> DaemonProcess
     daemon -> a DaemonProcess started with the test defaults
-    postfix_installed (session): root and Debian's postfix package, or the test fails
+    postfix_installed (session): root and Debian's postfix package (installed if
+        missing: tests/install_postfix.sh), or the test fails
     exim_available (session) -> EximBinary: Debian's Exim unpacked (fetched if missing),
         or the test fails
 
@@ -11,7 +12,10 @@ Subprocesses import this tree (PYTHONPATH), and hypothesis has no deadline.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,19 +40,32 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 @pytest.fixture(scope="session")
 def postfix_installed() -> None:
     """For tests that run a private Postfix (tests/postfix_instance.py): root and Debian's
-    `postfix` package, or the test fails saying so. Never a skip: a CI without Postfix
-    must not pass them silently (.ci/run installs the package)."""
-    missing = [tool for tool in POSTFIX_TOOLS if not os.access(tool, os.X_OK)]
-    if missing:
-        pytest.fail(
-            f"Postfix is not installed ({', '.join(missing)} missing): install Debian's "
-            "`postfix` package (apt-get install postfix; .ci/run does it when run as root)",
-            pytrace=False,
-        )
+    `postfix` package, installed here if missing (tests/install_postfix.sh, as .ci/run
+    does; one worker at a time), or the test fails saying why. Never a skip: a run
+    without Postfix must not pass them silently."""
     if os.geteuid() != 0:
         pytest.fail(
             "a private Postfix instance needs root (its master runs as root)", pytrace=False
         )
+    output = ""
+    if _missing_postfix():
+        with open(Path(tempfile.gettempdir()) / "mtaqueue-install-postfix.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _missing_postfix():
+                script = Path(__file__).parent / "install_postfix.sh"
+                done = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+                output = (done.stdout + done.stderr)[-2000:]
+    missing = _missing_postfix()
+    if missing:
+        pytest.fail(
+            f"Postfix is not installed ({', '.join(missing)} missing) and "
+            f"tests/install_postfix.sh could not install Debian's `postfix` package:\n{output}",
+            pytrace=False,
+        )
+
+
+def _missing_postfix() -> list[str]:
+    return [tool for tool in POSTFIX_TOOLS if not os.access(tool, os.X_OK)]
 
 
 @pytest.fixture(scope="session")
