@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from .. import __version__
+from ..smtp.addresses import MAILBOX_PATTERN, MAX_PATH
 from ..spool.finished import END_STATES, KEEP
 from ..submission import MAX_KEY_LENGTH
-from .submit import KEY_PATTERN
+from .rules import ADDRESS_PATTERN, ADDRESS_RULE, KEY_PATTERN, MAX_ADDRESS_FIELD
 
 OPENAPI_PATH = "/v1/openapi.json"
 
@@ -41,6 +42,12 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return {str(status): {"$ref": f"#/components/responses/{status}"} for status in statuses}
 
 
+_ADDRESS_FIELD = {
+    **_STRING,
+    "maxLength": MAX_ADDRESS_FIELD,
+    "pattern": ADDRESS_PATTERN,
+    "description": f'"addr" or "Name <addr>" (no control character in the name); {ADDRESS_RULE}',
+}
 _RECIPIENT_STATES = ["queued", "deferred", "delivered", "bounced", "expired", "held"]
 
 _SCHEMAS: dict[str, Any] = {
@@ -73,8 +80,11 @@ _SCHEMAS: dict[str, Any] = {
     "Submission": _object(
         ["from", "to"],
         {
-            "from": {**_STRING, "description": 'the envelope sender: "addr" or "Name <addr>"'},
-            "to": {"type": "array", "items": _STRING, "minItems": 1},
+            "from": {
+                **_ADDRESS_FIELD,
+                "description": f"the envelope sender: {_ADDRESS_FIELD['description']}",
+            },
+            "to": {"type": "array", "items": _ADDRESS_FIELD, "minItems": 1},
             "raw": {
                 **_STRING,
                 "description": "a whole RFC 5322 message (lines may end in LF); instead of"
@@ -220,7 +230,13 @@ _RESPONSES: dict[str, Any] = {
 }
 
 _ID = {"name": "id", "in": "path", "required": True, "schema": _STRING}
-_ADDRESS = {"name": "address", "in": "path", "required": True, "schema": _STRING}
+_ADDRESS = {
+    "name": "address",
+    "in": "path",
+    "required": True,
+    "schema": {**_STRING, "maxLength": MAX_PATH, "pattern": MAILBOX_PATTERN},
+    "description": f"local-part@domain (RFC 5321, RFC 6531): {ADDRESS_RULE}",
+}
 _KEY = {
     "name": "idempotency_key",
     "in": "query",

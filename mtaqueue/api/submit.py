@@ -30,14 +30,11 @@ from ..submission import (
 from ..transaction import Envelope, Submit
 from .compose import Part, address, compose
 from .errors import ApiError, reply_text
+from .rules import ADDRESS_PATTERN, CONTROL, KEY_PATTERN, MAX_ADDRESS_FIELD, WHITESPACE
 
-# An Idempotency-Key: 1 to MAX_KEY_LENGTH characters, no control character (C0, DEL, C1),
-# no space (nor zero-width one) at either end. One pattern, in the syntax Python's `re`
-# and ECMA-262 read alike: the server checks it, the OpenAPI document publishes it.
-_CONTROL = r"\x00-\x1f\x7f-\x9f"
-_SPACE = r"\x20\xa0\u1680\u2000-\u200b\u2028\u2029\u202f\u205f\u3000\ufeff"
-KEY_PATTERN = f"^[^{_CONTROL}{_SPACE}](?:[^{_CONTROL}]*[^{_CONTROL}{_SPACE}])?$"
 _KEY = re.compile(KEY_PATTERN)
+_ADDRESS = re.compile(ADDRESS_PATTERN)
+_CONTROL = re.compile(f"[{CONTROL}]")
 _FIELD_NAME = re.compile(r"[!-9;-~]+\Z")  # RFC 5322 ftext
 _MIME_TYPE = re.compile(r"[\w!#$&^.+-]+/[\w!#$&^.+-]+\Z", re.ASCII)  # RFC 6838 names
 _OURS = ("x-mtaqueue-class", "x-mtaqueue-expires", "x-mtaqueue-idempotency-key")
@@ -100,12 +97,12 @@ def check(
 ) -> Checked:
     """What the listener checks at MAIL and RCPT, and the fields that steer the message;
     ApiError 400 naming the field, or 422 for a suppressed recipient."""
-    sender = _mailbox("from", sub.sender)
+    sender = parse_address("from", sub.sender)
     if not sub.to:
         raise ApiError(400, "to: at least one recipient")
     if len(sub.to) > session.max_recipients:
         raise ApiError(400, f"to: more than {session.max_recipients} recipients")
-    to = [_mailbox(f"to[{i}]", rcpt) for i, rcpt in enumerate(sub.to)]
+    to = [parse_address(f"to[{i}]", rcpt) for i, rcpt in enumerate(sub.to)]
     for i, (_, mailbox) in enumerate(to):
         refusal = rcpt_check(mailbox)
         if refusal is not None:
@@ -234,17 +231,26 @@ def _composed(checked: Checked) -> bytes:
     return compose(sender, to, sub.subject, sub.text, sub.html, parts, checked.utf8)
 
 
-def _mailbox(field: str, text: str) -> tuple[str, str]:
-    """(display name, mailbox) of "addr" or "Name <addr>"; ApiError 400 if not valid."""
-    text = text.strip()
-    display, mailbox = "", text
-    if text.endswith(">") and "<" in text:
-        at = text.rindex("<")
-        display, mailbox = text[:at].strip().strip('"').strip(), text[at + 1 : -1].strip()
+def parse_address(field: str, text: str) -> tuple[str, str]:
+    """(display name, mailbox) of "addr" or "Name <addr>" (rules.ADDRESS_PATTERN, and the
+    octets of the address); ApiError 400 if not valid."""
+    if len(text) > MAX_ADDRESS_FIELD:
+        raise ApiError(400, f"{field}: longer than {MAX_ADDRESS_FIELD} characters")
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # JSON may escape a lone surrogate
+        raise ApiError(400, f"{field}: not valid UTF-8 (a lone surrogate)") from None
+    display, mailbox = "", text.strip(WHITESPACE)
+    if mailbox.endswith(">") and "<" in mailbox:
+        at = mailbox.rindex("<")
+        name, mailbox = mailbox[:at].strip(WHITESPACE), mailbox[at + 1 : -1].strip(WHITESPACE)
+        if _CONTROL.search(name):
+            raise ApiError(400, f"{field}: a control character in the name")
+        display = name.strip('"').strip(WHITESPACE)
     try:
         check_mailbox(mailbox, utf8=True)
     except AddressError as exc:
         raise ApiError(400, f"{field}: {text!r} is not a valid address: {exc}") from None
-    if not display.isprintable():
-        raise ApiError(400, f"{field}: a control character in the name")
+    if not _ADDRESS.fullmatch(text):  # not reached: the pattern says what the above does
+        raise ApiError(400, f"{field}: {text!r} is not an address or Name <address>")
     return display, mailbox
