@@ -89,21 +89,36 @@ DOMAIN = either(_DOMAIN_NAME, _ADDRESS_LITERAL)
 WS = r"[\t-\r ]"
 
 
-def mailbox_pattern(angle: bool = True, after: str = "$") -> str:
+# The octets of UTF-8 that a pattern cannot count: it can bound the characters as if each
+# were as wide as the widest the text holds. A character beyond the first range is 2
+# octets wide or more, beyond the second 3, beyond the third 4.
+_NARROW = {2: r"\x00-\x7f", 3: r"\x00-\u07ff", 4: r"\x00-\uffff"}
+
+
+def mailbox_pattern(angle: bool = True, after: str = "$", widths: bool = False) -> str:
     """local-part@domain followed by `after` (to the end of the text: "$", or white space,
-    ">" ... then "$"; no "@" in it), of at most MAX_PATH characters with a local part of
-    at most MAX_LOCAL_PART (the domain is then within MAX_DOMAIN), as negative lookaheads
-    (characters: the octets are checked apart); angle=False: no "<" in it. The lookaheads
-    scan no further than the mailbox can reach, and not from white space, which no
-    mailbox starts with: a text that is no mailbox costs linear time, not quadratic."""
+    ">" ... then "$"; no "@" in it); angle=False: no "<" in it. Its lengths are negative
+    lookaheads: at most MAX_PATH characters, a local part of at most MAX_LOCAL_PART (the
+    domain is then within MAX_DOMAIN); with `widths`, so many octets wide, each character
+    counted as wide as the widest of the part (a bound of its own for a text that is not
+    ASCII; without, the octets are checked apart). The lookaheads scan no further than a
+    mailbox can reach, and not from white space, which no mailbox starts with: a text that
+    is no mailbox costs linear time, not quadratic."""
     reach = r"[\s\S]" if angle else "[^<]"
-    rest = "[^@]" if angle else "[^@<]"
-    return (
-        rf"(?!{WS})"
-        rf"(?!{reach}{{{MAX_PATH},}}[^\t-\r ]{after})"
-        rf"(?!{reach}{{{MAX_LOCAL_PART + 1},}}@{rest}*$)"
-        rf"{local_part(angle)}@{DOMAIN}"
-    )
+    local_end, path_end = f"@{'[^@]' if angle else '[^@<]'}*$", f"[^\\t-\\r ]{after}"
+    bounds = [
+        rf"(?!{reach}{{{MAX_PATH},}}{path_end})",
+        rf"(?!{reach}{{{MAX_LOCAL_PART + 1},}}{local_end})",
+    ]
+    for width, narrow in _NARROW.items() if widths else ():
+        before = narrow if angle else narrow.replace(r"\x00-", r"\x00-\x3b\x3d-")  # not <
+        wide = f"[{before}]*[^{narrow}]"  # a character wider than `narrow` comes
+        path, local = MAX_PATH // width, MAX_LOCAL_PART // width + 1
+        bounds += [
+            rf"(?!(?={reach}{{{path},}}{path_end}){wide})",
+            rf"(?!(?={reach}{{{local},}}{local_end}){wide}{reach}*{local_end})",
+        ]
+    return rf"(?!{WS}){''.join(bounds)}{local_part(angle)}@{DOMAIN}"
 
 
 MAILBOX_PATTERN = f"^{mailbox_pattern()}$"
