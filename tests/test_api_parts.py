@@ -10,7 +10,7 @@ import email.policy
 
 import pytest
 
-from mtaqueue.api.compose import Part, address, compose
+from mtaqueue.api.compose import Part, compose
 from mtaqueue.api.tokens import Caller, load_tokens
 from mtaqueue.model import Recipient
 from mtaqueue.smtp.content import TOO_BIG, Limits, whole
@@ -57,8 +57,8 @@ def test_a_tokens_file_others_can_read_is_warned_about_and_none_is_no_tokens(tmp
 
 def test_compose_text_html_and_attachments_7bit_clean():
     content = compose(
-        address("Jörg", "app@example.com"),
-        [address("", "a@example.org"), address("B", '"b c"@example.org')],
+        ("Jörg", "app@example.com"),
+        [("", "a@example.org"), ("B", '"b c"@example.org')],
         "Grüße",
         "héllo\n",
         "<p>héllo <img src='cid:logo'></p>\n",
@@ -78,10 +78,30 @@ def test_compose_text_html_and_attachments_7bit_clean():
 
 
 def test_compose_for_smtputf8_keeps_utf8_headers():
-    content = compose(address("", "jörg@exämple.de"), [address("", "a@b.org")], "Grüße",
+    content = compose(("", "jörg@exämple.de"), [("", "a@b.org")], "Grüße",
                       None, "<p>x</p>", [], utf8=True)  # fmt: skip
     assert b"From: j\xc3\xb6rg@ex\xc3\xa4mple.de\r\n" in content
     assert b"Content-Type: text/html" in content
+
+
+@pytest.mark.parametrize("utf8", [False, True])
+def test_compose_writes_from_and_to_as_checked_even_where_the_email_package_misreads(utf8):
+    # Mailboxes RFC 5321 allows that the email package writes bare or reads as white space
+    # (".b"@y as .b@y, then a TypeError in a list); names quoted, encoded, folded.
+    odd = ['".b"@y.example', '"a..b"@y.example', '""@y.example', '"\\\\"@y.example']
+    if utf8:
+        odd.append("a\u3000.b@y.example")
+    names = ["", 'Doe, J. "Jr"', "=?utf-8?q?x?=", "Jörg", "N" * 200]
+    to = [(names[i % len(names)], mailbox) for i, mailbox in enumerate(odd)]
+    content = compose(("Shop", "shop@b.example"), to, "s", "t", None, [], utf8)
+    header = content[: content.index(b"\r\n\r\n")].decode("utf-8")
+    assert header.startswith("From: Shop <shop@b.example>\r\nTo: ")
+    for _, mailbox in to:
+        assert mailbox in header  # as checked, quotes and all
+    assert max(len(line) for line in header.split("\r\n")) < 100
+    policy = email.policy.SMTPUTF8 if utf8 else email.policy.SMTP
+    parsed = email.message_from_bytes(content, policy=policy)["To"].addresses
+    assert [a.display_name for a in parsed][1:4] == ['Doe, J. "Jr"', "=?utf-8?q?x?=", "Jörg"]
 
 
 LIMITS = Limits(max_size=1000, max_line=100, window=200, reject=False)

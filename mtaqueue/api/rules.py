@@ -56,9 +56,8 @@ _NAME_CHAR = f"[^{CONTROL}\\u2028\\u2029]"
 _NAME = f"[^{CONTROL}\\u2028\\u2029 ](?:{_NAME_CHAR}*[^{CONTROL}\\u2028\\u2029 ])?"
 _IN_BRACKETS = mailbox_pattern(False, f"{WS}*>{WS}*$", widths=True)
 _NAME_ADDR = rf"(?:{_NAME}{WS}*)?<{WS}*{_IN_BRACKETS}{WS}*>"
-ADDRESS_PATTERN = (
-    rf"^{WS}*{either(mailbox_pattern(after=f'{WS}*$', widths=True), _NAME_ADDR)}{WS}*$"
-)
+_BARE = mailbox_pattern(after=f"{WS}*$", widths=True)
+ADDRESS_PATTERN = rf"^{WS}*{either(_BARE, _NAME_ADDR)}{WS}*$"
 
 # Attachments: a MIME type (RFC 6838 names) or "" (guessed from the file name); base64
 # content (RFC 4648 4, padded), white space anywhere in it.

@@ -20,7 +20,7 @@ from ..smtp.addresses import AddressError, check_mailbox
 from ..smtp.session_settings import SessionSettings, content_limits
 from ..submission import MAX_KEY_LENGTH, Received, Refused, SubmissionSettings, prepare
 from ..transaction import Envelope, Submit
-from .compose import Part, address, compose
+from .compose import Part, compose
 from .errors import ApiError, reply_text
 from .rules import (
     ADDRESS_PATTERN,
@@ -265,10 +265,8 @@ def _composed(checked: Checked) -> bytes:
         data = base64.b64decode("".join(attachment.content.split()))  # checked: BASE64_PATTERN
         kind, cid = attachment.content_type, attachment.content_id
         parts.append(Part(attachment.filename, data, kind, cid))
-    sender = address(*checked.sender)
-    to = [address(*rcpt) for rcpt in checked.to]
     assert sub.subject is not None  # check() saw to it
-    return compose(sender, to, sub.subject, sub.text, sub.html, parts, checked.utf8)
+    return compose(checked.sender, checked.to, sub.subject, sub.text, sub.html, parts, checked.utf8)
 
 
 def parse_address(field: str, text: str) -> tuple[str, str]:
