@@ -273,8 +273,8 @@ _SUBMISSIONS = [
     ({**_TEXT, "expires": 3600}, True),
     ({**_TEXT, "expires": 0.5}, True),
     ({**_TEXT, "expires": 5e-324}, True),  # more than nothing: to come
-    ({**_TEXT, "expires": 10**12}, True),
-    ({**_TEXT, "expires": 10**12 + 1}, False),
+    ({**_TEXT, "expires": 10**11}, True),
+    ({**_TEXT, "expires": 10**11 + 1}, False),
     ({**_TEXT, "expires": 0}, False),
     ({**_TEXT, "expires": -1}, False),
     ({**_TEXT, "expires": True}, False),
@@ -282,8 +282,17 @@ _SUBMISSIONS = [
     ({**_TEXT, "expires": "2h"}, True),
     ({**_TEXT, "expires": "90"}, True),
     ({**_TEXT, "expires": "0.001ms"}, True),
-    ({**_TEXT, "expires": "999999999d"}, True),
-    ({**_TEXT, "expires": "1000000000d"}, False),  # 9 digits at most
+    ({**_TEXT, "expires": "999999d"}, True),
+    ({**_TEXT, "expires": "1000000d"}, False),  # 6 digits of days at most
+    ({**_TEXT, "expires": "9999999.9999h"}, True),
+    ({**_TEXT, "expires": "10000000h"}, False),
+    ({**_TEXT, "expires": "999999999m"}, True),
+    ({**_TEXT, "expires": "99999999999"}, True),
+    ({**_TEXT, "expires": "99999999999s"}, True),
+    ({**_TEXT, "expires": "100000000000s"}, False),
+    ({**_TEXT, "expires": "99999999999999ms"}, True),
+    ({**_TEXT, "expires": "999999999999999ms"}, False),
+    ({**_TEXT, "expires": "5sm"}, False),
     ({**_TEXT, "expires": "0s"}, False),
     ({**_TEXT, "expires": "00.0"}, False),
     ({**_TEXT, "expires": "2 h"}, False),
@@ -296,6 +305,8 @@ _SUBMISSIONS = [
     ({**_TEXT, "expires": "2996-02-29T00:00:00-01:00"}, True),  # a leap year
     ({**_TEXT, "expires": "2100-02-29T00:00:00Z"}, False),  # not one
     ({**_TEXT, "expires": "2400-02-29T00:00:00Z"}, True),
+    ({**_TEXT, "expires": "9998-12-31T23:59:59-23:59"}, True),
+    ({**_TEXT, "expires": "9999-01-01T00:00:00Z"}, False),  # the year 10000 not far away
     ({**_TEXT, "expires": "2999-04-31T00:00:00Z"}, False),
     ({**_TEXT, "expires": "2999-12-31T24:00:00Z"}, False),
     ({**_TEXT, "expires": "2999-12-31T23:59:60Z"}, False),  # no leap second

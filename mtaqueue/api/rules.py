@@ -81,19 +81,26 @@ def caseless(names: Sequence[str]) -> str:
 
 
 # Expiry ("expires") and a suppression's "for": seconds as a number, or a duration ("90",
-# "15m", "4h", "7d", "250ms"; at most 9 digits before the point); not zero. Or, for
-# "expires", an RFC 3339 time with its offset: a valid date (leap years counted), no leap
-# second. The time must be to come: 422 if it is past (a moment's matter, as a suppressed
-# recipient is).
-MAX_SECONDS = 10**12
-DURATION_PATTERN = r"^(?![0.]*(?:ms|s|m|h|d)?$)[0-9]{1,9}(?:\.[0-9]+)?(?:ms|s|m|h|d)?$"
+# "15m", "4h", "7d", "250ms"); not zero, and at most about 3,000 years (10^11 seconds; a
+# duration of at most 6 digits of days, 7 of hours, 9 of minutes, 11 of seconds or 14 of
+# milliseconds before the point): a time past the year 9999 is none Python's datetime can
+# write, in a DSN's Will-Retry-Until say. Or, for "expires", an RFC 3339 time with its
+# offset: a valid date of the years 0001 to 9998 (leap years counted), no leap second. The
+# time must be to come: 422 if it is past (a moment's matter, as a suppressed recipient is).
+MAX_SECONDS = 10**11
+_UNIT_DIGITS = {"ms": 14, "s?": 11, "m": 9, "h": 7, "d": 6}
+DURATION_PATTERN = (
+    "^(?![0.]*(?:ms|s|m|h|d)?$)"
+    + either(*(rf"[0-9]{{1,{digits}}}(?:\.[0-9]+)?{unit}" for unit, digits in _UNIT_DIGITS.items()))
+    + "$"
+)
 _LEAP = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
 _MONTH_DAY = either(
     "(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])",
     "(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)",
     "02-(?:0[1-9]|1[0-9]|2[0-8])",
 )
-_DATE = either(f"(?!0000)[0-9]{{4}}-{_MONTH_DAY}", f"{_LEAP}-02-29")
+_DATE = either(f"(?!0000|9999)[0-9]{{4}}-{_MONTH_DAY}", f"{_LEAP}-02-29")
 _CLOCK = "(?:[01][0-9]|2[0-3]):[0-5][0-9]"
 TIME_PATTERN = rf"^{_DATE}[Tt ]{_CLOCK}:[0-5][0-9](?:\.[0-9]+)?(?:[Zz]|[+\-]{_CLOCK})$"
 _DURATION, _TIME = re.compile(DURATION_PATTERN), re.compile(TIME_PATTERN)
