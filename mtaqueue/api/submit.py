@@ -25,7 +25,6 @@ from .errors import ApiError, reply_text
 from .rules import (
     ADDRESS_PATTERN,
     ADDRESS_RULE,
-    BASE64_PATTERN,
     COMPOSED,
     FIELD_NAME_PATTERN,
     KEY_PATTERN,
@@ -36,6 +35,7 @@ from .rules import (
     TEXT_PATTERN,
     TEXT_RULE,
     WHITESPACE,
+    base64_text,
     caseless,
     rfc3339,
     seconds,
@@ -47,7 +47,6 @@ _TEXT = re.compile(TEXT_PATTERN)
 _NOT_BLANK = re.compile(NOT_BLANK_PATTERN)
 _FIELD_NAME = re.compile(FIELD_NAME_PATTERN)
 _MIME_TYPE = re.compile(MIME_TYPE_PATTERN)
-_BASE64 = re.compile(BASE64_PATTERN)
 _OURS, _COMPOSED = re.compile(caseless(OURS)), re.compile(caseless(COMPOSED))
 
 
@@ -183,7 +182,7 @@ def _check_content(sub: Submission) -> None:
         _check_text(f"attachments[{i}].content_id", attachment.content_id)
         if not _MIME_TYPE.fullmatch(attachment.content_type):
             raise ApiError(400, f"attachments[{i}].content_type: not a MIME type (type/subtype)")
-        if not _BASE64.fullmatch(attachment.content):
+        if base64_text(attachment.content) is None:
             raise ApiError(400, f"attachments[{i}].content: not base64")
     for name, value in sub.headers.items():
         if not _FIELD_NAME.fullmatch(name):
@@ -262,7 +261,7 @@ def _composed(checked: Checked) -> bytes:
     sub = checked.submission
     parts = []
     for attachment in sub.attachments:
-        data = base64.b64decode("".join(attachment.content.split()))  # checked: BASE64_PATTERN
+        data = base64.b64decode(base64_text(attachment.content) or "")  # checked: not None
         kind, cid = attachment.content_type, attachment.content_id
         parts.append(Part(attachment.filename, data, kind, cid))
     assert sub.subject is not None  # check() saw to it
