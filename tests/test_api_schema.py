@@ -20,7 +20,7 @@ from mtaqueue.api.errors import ApiError
 from mtaqueue.api.openapi import document
 from mtaqueue.api.rules import base64_text
 from mtaqueue.api.server import suppression_address, suppression_fields
-from mtaqueue.api.submit import build, check, check_key, decode, parse_address
+from mtaqueue.api.submit import build, check, check_key, decode, parse_address, refuse_now
 from mtaqueue.smtp.addresses import check_mailbox
 from mtaqueue.smtp.session_settings import SessionSettings
 from mtaqueue.submission import Received, SubmissionSettings
@@ -357,7 +357,8 @@ def _server_takes_submission(fields):
     body = json.dumps({**_BASE, **fields}).encode()
     now = 1_800_000_000.0
     try:
-        checked = check(decode(body), None, _SESSION, _SETTINGS, now, lambda rcpt: None)
+        checked = check(decode(body), None, _SESSION, _SETTINGS, now)
+        refuse_now(checked, lambda rcpt: None)
         build(checked, None, Received("0" * 16, now, "127.0.0.1", False, "HTTP"), _SESSION,
               _SETTINGS)  # fmt: skip
     except ApiError as exc:
@@ -385,7 +386,7 @@ def test_an_expiry_already_past_is_a_422():
     fields = {**_TEXT, "expires": "2000-01-01T00:00:00Z"}
     body = json.dumps({**_BASE, **fields}).encode()
     with pytest.raises(ApiError) as refused:
-        check(decode(body), None, _SESSION, _SETTINGS, 1_800_000_000.0, lambda rcpt: None)
+        refuse_now(check(decode(body), None, _SESSION, _SETTINGS, 1.8e9), lambda rcpt: None)
     assert refused.value.status == 422 and "already past" in refused.value.message
 
 
@@ -395,7 +396,7 @@ def test_what_the_email_package_cannot_read_in_a_structured_field_is_a_400():
     fields = {**_TEXT, "headers": {"Reply-To": "<"}}
     assert _allowed(DOCUMENT["components"]["schemas"]["Submission"], {**_BASE, **fields})
     body = json.dumps({**_BASE, **fields}).encode()
-    checked = check(decode(body), None, _SESSION, _SETTINGS, 0.0, lambda rcpt: None)
+    checked = check(decode(body), None, _SESSION, _SETTINGS, 0.0)
     with pytest.raises(ApiError) as refused:
         build(checked, None, Received("0" * 16, 0.0, "", False, "HTTP"), _SESSION, _SETTINGS)
     assert refused.value.status == 400 and refused.value.message.startswith("headers.Reply-To:")

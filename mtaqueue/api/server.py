@@ -10,8 +10,8 @@ state while the spool remembers its end (spool/finished.py), a 404 after that.
 
 A submission is answered 202 only once it is as durable as an SMTP 250 (file and journal
 record synced); one whose Idempotency-Key was accepted within the dedupe window is
-answered 200 with the first message's id. Large bodies are decoded and built in a
-thread, so the event loop never waits for them.
+answered 200 with the first message's id. Large bodies are decoded, checked and built
+in a thread, so the event loop never waits for them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ..submission import Received, accepted_fields
 from .errors import ApiError
 from .openapi import OPENAPI_PATH, document
 from .rules import ADDRESS_RULE, BARE_ADDRESS_PATTERN, seconds
-from .submit import build, check, decode
+from .submit import build, check, decode, refuse_now
 from .tokens import Caller, Tokens
 
 log = get_logger("api")
@@ -150,7 +150,8 @@ class Api:
         sub = await _run(offload, decode, body)
         now, client = time.time(), request.remote or ""
         key = request.headers.get("Idempotency-Key")
-        checked = check(sub, key, settings.session, settings.submission, now, self.deps.rcpt_check)
+        checked = await _run(offload, check, sub, key, settings.session, settings.submission, now)
+        refuse_now(checked, self.deps.rcpt_check)
         received = Received(spool.ids.next(now), now, client, False, "HTTP")
         message, content = await _run(
             offload, build, checked, caller.tenant, received, settings.session, settings.submission

@@ -95,6 +95,7 @@ class Checked:
     utf8: bool  # an address is not ASCII: the message needs SMTPUTF8
     key: str | None
     expires: float | None  # epoch seconds
+    past: bool  # expires is a time already past
 
 
 def check(
@@ -103,10 +104,10 @@ def check(
     session: SessionSettings,
     settings: SubmissionSettings,
     now: float,
-    rcpt_check: Callable[[str], str | None],
 ) -> Checked:
     """What the listener checks at MAIL and RCPT, and the fields that steer the message;
-    ApiError 400 naming the field, or 422 for a suppressed recipient."""
+    ApiError 400 naming the field. Pure (a large submission is checked in a thread); what
+    depends on the moment is `refuse_now`'s."""
     sender = parse_address("from", sub.sender)
     if not sub.to:
         raise ApiError(400, "to: at least one recipient")
@@ -120,15 +121,19 @@ def check(
     expires, past = (None, False) if sub.expires is None else expiry(sub.expires, now)
     if key is not None:
         check_key(key)
-    # What the schema cannot say, as it depends on the moment: 422.
-    for i, (_, mailbox) in enumerate(to):
+    utf8 = not all(mailbox.isascii() for _, mailbox in [sender, *to])
+    return Checked(sub, sender, to, utf8, key, expires, past)
+
+
+def refuse_now(checked: Checked, rcpt_check: Callable[[str], str | None]) -> None:
+    """ApiError 422 for what the schema cannot say, as it depends on the moment: a
+    suppressed recipient (`rcpt_check`: the listener's RCPT refusal), a time already past."""
+    for i, (_, mailbox) in enumerate(checked.to):
         refusal = rcpt_check(mailbox)
         if refusal is not None:
             raise ApiError(422, f"to[{i}]: {reply_text(refusal)}")
-    if past:
-        raise ApiError(422, f"expires: {sub.expires!r} is already past")
-    utf8 = not all(mailbox.isascii() for _, mailbox in [sender, *to])
-    return Checked(sub, sender, to, utf8, key, expires)
+    if checked.past:
+        raise ApiError(422, f"expires: {checked.submission.expires!r} is already past")
 
 
 def expiry(value: str | float, now: float) -> tuple[float, bool]:
