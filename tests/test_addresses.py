@@ -122,6 +122,21 @@ def test_invalid_mailboxes(address, message):
         check_mailbox(address, utf8=False)
 
 
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("a@[IPv6:fe80::1%eth0]", "invalid address literal"),  # RFC 5321 has no zone
+        ("a@[IPv6:::1%0]", "invalid address literal"),
+        ("a@bü-.example", "invalid domain"),  # a U-label ends in no hyphen either
+        ("a@-ü.example", "invalid domain"),
+        ("a@" + "ü" * 64 + ".example", "invalid domain"),  # 64 characters
+    ],
+)
+def test_invalid_smtputf8_mailboxes(address, message):
+    with pytest.raises(AddressError, match=message):
+        check_mailbox(address, utf8=True)
+
+
 def test_path_length_limit():
     # A 53-octet local part and a 202-octet domain are fine alone; together they
     # make exactly the longest path, one more octet is too long.

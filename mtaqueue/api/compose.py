@@ -4,6 +4,12 @@ standard library's `email` package. Pure; no I/O.
 The result is 7-bit clean unless an address needs SMTPUTF8: non-ASCII text goes as
 quoted-printable or base64 and header words as RFC 2047 encoded words, so that every
 receiver takes it whether or not it offers 8BITMIME.
+
+From and To are written here, not by the package: it reads back what it writes, and
+misreads mailboxes RFC 5321 allows, which the API has checked: a quoted local part with a
+dot at either end or two together it writes bare (".b"@x as .b@x, no address) and then
+fails on in a list (a TypeError), a no-break space or U+3000 in an atom it takes for
+white space (a\u3000.b@x becomes another address).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import mimetypes
 import re
 from dataclasses import dataclass
-from email.headerregistry import Address
+from email.header import Header
 from email.message import EmailMessage
 from email.policy import SMTP, SMTPUTF8
 
@@ -26,9 +32,12 @@ class Part:
     content_id: str = ""
 
 
+Mailbox = tuple[str, str]  # (display name, checked local-part@domain)
+
+
 def compose(
-    sender: Address,
-    to: list[Address],
+    sender: Mailbox,
+    to: list[Mailbox],
     subject: str,
     text: str | None,
     html: str | None,
@@ -38,8 +47,6 @@ def compose(
     """The message (CRLF lines); Message-ID and Date are left to submission.prepare."""
     policy = (SMTPUTF8 if utf8 else SMTP).clone(cte_type="7bit")
     msg = EmailMessage(policy=policy)
-    msg["From"] = sender
-    msg["To"] = to
     msg["Subject"] = subject
     if text is not None:
         msg.set_content(text)
@@ -61,13 +68,26 @@ def compose(
     for part in msg.walk():  # the package gives each part a MIME-Version of its own
         if part is not msg:
             del part["MIME-Version"]
-    return msg.as_bytes(policy=policy)
+    return _field("From", [sender]) + _field("To", to) + msg.as_bytes(policy=policy)
 
 
-def address(display_name: str, mailbox: str) -> Address:
-    """An Address of a checked mailbox (local@domain), a UTF-8 local part included, which
-    Address(addr_spec=...) refuses."""
-    local, _, domain = mailbox.rpartition("@")
-    if local.startswith('"') and local.endswith('"'):  # Address quotes it again as needed
-        local = re.sub(r"\\(.)", r"\1", local[1:-1])
-    return Address(display_name, username=local, domain=domain)
+_SPECIALS = re.compile(r'[][\\()<>@,:;".]')  # RFC 5322 specials
+
+
+def _field(name: str, mailboxes: list[Mailbox]) -> bytes:
+    """A From or To field: one mailbox a line."""
+    return (f"{name}: " + ",\r\n ".join(_mailbox(*m) for m in mailboxes) + "\r\n").encode()
+
+
+def _mailbox(display: str, mailbox: str) -> str:
+    """`mailbox` as it is (checked: RFC 5321's syntax is RFC 5322's), after its name: as
+    atoms, or quoted if it holds a special, or as RFC 2047 encoded words (folded) if it is
+    not ASCII, is long or looks like an encoded word itself."""
+    if not display:
+        return mailbox
+    if display.isascii() and len(display) <= 60 and "=?" not in display:
+        quoted = display.replace("\\", "\\\\").replace('"', '\\"')
+        phrase = f'"{quoted}"' if _SPECIALS.search(display) else display
+    else:
+        phrase = Header(display, "utf-8").encode(linesep="\r\n")
+    return f"{phrase} <{mailbox}>"

@@ -5,12 +5,21 @@ route is documented, every documented operation answers with its documented sche
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .. import __version__
+from ..smtp.addresses import MAX_PATH
 from ..spool.finished import END_STATES, KEEP
 from ..submission import MAX_KEY_LENGTH
-from .submit import KEY_PATTERN
+from .rules import (
+    ADDRESS_RULE,
+    BARE_ADDRESS_PATTERN,
+    DURATION_SCHEMA,
+    KEY_PATTERN,
+    SECONDS_SCHEMA,
+    submission_schemas,
+)
 
 OPENAPI_PATH = "/v1/openapi.json"
 
@@ -55,45 +64,6 @@ _SCHEMAS: dict[str, Any] = {
                 "description": "how it left the queue: cancelled (by the application),"
                 " deleted (by the operator), delivered, bounced or expired (every recipient),"
                 " or finished (its recipients ended differently)",
-            },
-        },
-    ),
-    "Attachment": _object(
-        ["filename", "content"],
-        {
-            "filename": _STRING,
-            "content": {**_STRING, "contentEncoding": "base64"},
-            "content_type": {**_STRING, "description": '"" = guessed from the file name'},
-            "content_id": {
-                **_STRING,
-                "description": "set: an inline part, shown where the HTML says cid:...",
-            },
-        },
-    ),
-    "Submission": _object(
-        ["from", "to"],
-        {
-            "from": {**_STRING, "description": 'the envelope sender: "addr" or "Name <addr>"'},
-            "to": {"type": "array", "items": _STRING, "minItems": 1},
-            "raw": {
-                **_STRING,
-                "description": "a whole RFC 5322 message (lines may end in LF); instead of"
-                " subject/text/html/attachments. X-Mtaqueue-* header fields in it are honoured"
-                " and removed, as over SMTP.",
-            },
-            "subject": _STRING,
-            "text": _STRING,
-            "html": _STRING,
-            "attachments": {"type": "array", "items": _ref("Attachment")},
-            "class": {**_STRING, "description": "delivery class (p0, p1, p2, ...)"},
-            "expires": {
-                "type": ["string", "number"],
-                "description": 'an RFC 3339 time, a duration ("2h") or seconds from now',
-            },
-            "headers": {
-                "type": "object",
-                "additionalProperties": _STRING,
-                "description": "more header fields (Reply-To, List-Unsubscribe, ...)",
             },
         },
     ),
@@ -185,10 +155,10 @@ _SCHEMAS: dict[str, Any] = {
     "SuppressionRequest": _object(
         [],
         {
-            "reason": _STRING,
+            "reason": {**_NULLABLE_STRING, "description": 'null or "": "added by an operator"'},
             "for": {
-                "type": ["string", "number"],
-                "description": 'how long: "7d", or seconds; default suppression.ttl',
+                "anyOf": [SECONDS_SCHEMA, DURATION_SCHEMA, {"type": "null"}],
+                "description": 'how long: "7d", or seconds; null: suppression.ttl',
             },
         },
     ),
@@ -206,7 +176,9 @@ _RESPONSES: dict[str, Any] = {
         404: "Not found (or another tenant's)",
         413: "The body or the message is larger than allowed (listen.max_message_size)",
         415: "The body is not JSON",
-        422: "A recipient is suppressed (hard bounce); the error names it",
+        422: "Valid, but refused by what the schema cannot know, as it depends on the"
+        " moment: a recipient is suppressed (hard bounce), or expires is a time already"
+        " past; the error names it",
         503: "The spool cannot take mail now (writer restarting, write error): Retry-After",
         507: "The spool is full (spool.min_free): Retry-After",
     }.items()
@@ -220,7 +192,13 @@ _RESPONSES: dict[str, Any] = {
 }
 
 _ID = {"name": "id", "in": "path", "required": True, "schema": _STRING}
-_ADDRESS = {"name": "address", "in": "path", "required": True, "schema": _STRING}
+_ADDRESS = {
+    "name": "address",
+    "in": "path",
+    "required": True,
+    "schema": {**_STRING, "maxLength": MAX_PATH, "pattern": BARE_ADDRESS_PATTERN},
+    "description": f"local-part@domain: {ADDRESS_RULE}",
+}
 _KEY = {
     "name": "idempotency_key",
     "in": "query",
@@ -363,7 +341,11 @@ _PATHS: dict[str, Any] = {
 }
 
 
-def document() -> dict[str, Any]:
+def document(
+    classes: Sequence[str] | None = None, max_recipients: int | None = None
+) -> dict[str, Any]:
+    """The document; `classes` and `max_recipients` as the daemon's configuration has
+    them (None: left open)."""
     return {
         "openapi": "3.1.0",
         "info": {
@@ -376,7 +358,7 @@ def document() -> dict[str, Any]:
         "paths": _PATHS,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": _SCHEMAS,
+            "schemas": _SCHEMAS | submission_schemas(classes, max_recipients),
             "responses": _RESPONSES,
         },
     }

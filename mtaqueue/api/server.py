@@ -10,14 +10,15 @@ state while the spool remembers its end (spool/finished.py), a 404 after that.
 
 A submission is answered 202 only once it is as durable as an SMTP 250 (file and journal
 record synced); one whose Idempotency-Key was accepted within the dedupe window is
-answered 200 with the first message's id. Large bodies are decoded and built in a
-thread, so the event loop never waits for them.
+answered 200 with the first message's id. Large bodies are decoded, checked and built
+in a thread, so the event loop never waits for them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -38,7 +39,8 @@ from ..spool.store import Spool
 from ..submission import Received, accepted_fields
 from .errors import ApiError
 from .openapi import OPENAPI_PATH, document
-from .submit import build, check, decode
+from .rules import ADDRESS_RULE, BARE_ADDRESS_PATTERN, seconds
+from .submit import build, check, decode, refuse_now
 from .tokens import Caller, Tokens
 
 log = get_logger("api")
@@ -127,7 +129,10 @@ class Api:
         return caller
 
     async def _openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(document())
+        settings = self.deps.settings()  # classes and max_recipients, as now configured
+        return web.json_response(
+            document(settings.submission.classes, settings.session.max_recipients)
+        )
 
     # -- messages --------------------------------------------------------------------
 
@@ -145,7 +150,8 @@ class Api:
         sub = await _run(offload, decode, body)
         now, client = time.time(), request.remote or ""
         key = request.headers.get("Idempotency-Key")
-        checked = check(sub, key, settings.session, settings.submission, now, self.deps.rcpt_check)
+        checked = await _run(offload, check, sub, key, settings.session, settings.submission, now)
+        refuse_now(checked, self.deps.rcpt_check)
         received = Received(spool.ids.next(now), now, client, False, "HTTP")
         message, content = await _run(
             offload, build, checked, caller.tenant, received, settings.session, settings.submission
@@ -261,21 +267,15 @@ class Api:
 
     async def _suppress(self, request: web.Request) -> web.Response:
         _operator(request)
-        address = _checked(suppression.checked_address, request.match_info["address"])
+        address = suppression_address(request.match_info["address"])
         body = await _read(request, JSON_OVERHEAD)
         fields = _json_object(body) if body.strip() else {}
-        unknown = fields.keys() - {"reason", "for"}
-        if unknown:
-            raise ApiError(400, f"{min(unknown)}: unknown field (known: reason, for)")
-        reason = fields.get("reason") or suppression.DEFAULT_REASON
-        if not isinstance(reason, str):
-            raise ApiError(400, "reason: must be a string")
-        ttl = _checked(suppression.duration, fields.get("for"), self.deps.suppression_ttl())
+        reason, ttl = suppression_fields(fields, self.deps.suppression_ttl())
         return web.json_response(await suppression.add(self.deps.spool, address, ttl, reason))
 
     async def _unsuppress(self, request: web.Request) -> web.Response:
         _operator(request)
-        address = _checked(suppression.checked_address, request.match_info["address"])
+        address = suppression_address(request.match_info["address"])
         removed = await suppression.remove(self.deps.spool, address)
         if removed is None:
             raise ApiError(404, f"{address} is not suppressed")
@@ -283,6 +283,7 @@ class Api:
 
 
 _CHALLENGE = 'Bearer realm="mtaqueue"'
+_BARE_ADDRESS = re.compile(BARE_ADDRESS_PATTERN)
 
 
 def _refused(request: web.Request, caller: Caller | None, error: ApiError) -> web.Response:
@@ -340,6 +341,40 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ApiError(400, "the body must be a JSON object")
     return value
+
+
+def suppression_fields(fields: dict[str, Any], default_ttl: float) -> tuple[str, float]:
+    """The reason and the seconds of a suppression's body (SuppressionRequest), null or
+    left out their defaults; ApiError 400 if it is not one."""
+    unknown = fields.keys() - {"reason", "for"}
+    if unknown:
+        raise ApiError(400, f"{min(unknown)}: unknown field (known: reason, for)")
+    reason = fields.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        raise ApiError(400, "reason: must be a string")
+    _utf8("reason", reason or "")
+    ttl = default_ttl if fields.get("for") is None else seconds(fields["for"])
+    if ttl is None:
+        raise ApiError(400, f"for: {fields['for']!r} is no duration (7d) or seconds")
+    return reason or suppression.DEFAULT_REASON, ttl
+
+
+def suppression_address(address: str) -> str:
+    """The {address} of a suppression: as the listener checks an address (the octets
+    included), and as rules.BARE_ADDRESS_PATTERN bounds its characters."""
+    address = _checked(suppression.checked_address, address)
+    if not _BARE_ADDRESS.fullmatch(address):
+        raise ApiError(
+            400, f"invalid address {address!r}: longer than the API takes ({ADDRESS_RULE})"
+        )
+    return address
+
+
+def _utf8(field: str, text: str) -> None:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # JSON may escape a lone surrogate
+        raise ApiError(400, f"{field}: not valid UTF-8 (a lone surrogate)") from None
 
 
 def _checked(check: Callable[..., _T], *args: Any) -> _T:

@@ -7,11 +7,10 @@ gets the listener's address checks, the content the listener's limits. Pure; no 
 from __future__ import annotations
 
 import base64
-import binascii
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from email.policy import SMTP, SMTPUTF8
+from email.policy import SMTP, SMTPUTF8, Policy
 
 import msgspec
 
@@ -19,29 +18,36 @@ from ..model import Message, Recipient
 from ..smtp import content as content_
 from ..smtp.addresses import AddressError, check_mailbox
 from ..smtp.session_settings import SessionSettings, content_limits
-from ..submission import (
-    MAX_KEY_LENGTH,
-    Received,
-    Refused,
-    SubmissionSettings,
-    parse_expiry,
-    prepare,
-)
+from ..submission import MAX_KEY_LENGTH, Received, Refused, SubmissionSettings, prepare
 from ..transaction import Envelope, Submit
-from .compose import Part, address, compose
+from .compose import Part, compose
 from .errors import ApiError, reply_text
+from .rules import (
+    ADDRESS_PATTERN,
+    ADDRESS_RULE,
+    COMPOSED,
+    FIELD_NAME_PATTERN,
+    KEY_PATTERN,
+    MAX_ADDRESS_FIELD,
+    MIME_TYPE_PATTERN,
+    NOT_BLANK_PATTERN,
+    OURS,
+    TEXT_PATTERN,
+    TEXT_RULE,
+    WHITESPACE,
+    base64_text,
+    caseless,
+    rfc3339,
+    seconds,
+)
 
-# An Idempotency-Key: 1 to MAX_KEY_LENGTH characters, no control character (C0, DEL, C1),
-# no space (nor zero-width one) at either end. One pattern, in the syntax Python's `re`
-# and ECMA-262 read alike: the server checks it, the OpenAPI document publishes it.
-_CONTROL = r"\x00-\x1f\x7f-\x9f"
-_SPACE = r"\x20\xa0\u1680\u2000-\u200b\u2028\u2029\u202f\u205f\u3000\ufeff"
-KEY_PATTERN = f"^[^{_CONTROL}{_SPACE}](?:[^{_CONTROL}]*[^{_CONTROL}{_SPACE}])?$"
 _KEY = re.compile(KEY_PATTERN)
-_FIELD_NAME = re.compile(r"[!-9;-~]+\Z")  # RFC 5322 ftext
-_MIME_TYPE = re.compile(r"[\w!#$&^.+-]+/[\w!#$&^.+-]+\Z", re.ASCII)  # RFC 6838 names
-_OURS = ("x-mtaqueue-class", "x-mtaqueue-expires", "x-mtaqueue-idempotency-key")
-_COMPOSED = ("from", "to", "subject", "mime-version", "content-type", "content-transfer-encoding")
+_ADDRESS = re.compile(ADDRESS_PATTERN)
+_TEXT = re.compile(TEXT_PATTERN)
+_NOT_BLANK = re.compile(NOT_BLANK_PATTERN)
+_FIELD_NAME = re.compile(FIELD_NAME_PATTERN)
+_MIME_TYPE = re.compile(MIME_TYPE_PATTERN)
+_OURS, _COMPOSED = re.compile(caseless(OURS)), re.compile(caseless(COMPOSED))
 
 
 class Attachment(msgspec.Struct, forbid_unknown_fields=True):
@@ -88,6 +94,8 @@ class Checked:
     to: list[tuple[str, str]]
     utf8: bool  # an address is not ASCII: the message needs SMTPUTF8
     key: str | None
+    expires: float | None  # epoch seconds
+    past: bool  # expires is a time already past
 
 
 def check(
@@ -96,33 +104,53 @@ def check(
     session: SessionSettings,
     settings: SubmissionSettings,
     now: float,
-    rcpt_check: Callable[[str], str | None],
 ) -> Checked:
     """What the listener checks at MAIL and RCPT, and the fields that steer the message;
-    ApiError 400 naming the field, or 422 for a suppressed recipient."""
-    sender = _mailbox("from", sub.sender)
+    ApiError 400 naming the field. Pure (a large submission is checked in a thread); what
+    depends on the moment is `refuse_now`'s."""
+    sender = parse_address("from", sub.sender)
     if not sub.to:
         raise ApiError(400, "to: at least one recipient")
     if len(sub.to) > session.max_recipients:
         raise ApiError(400, f"to: more than {session.max_recipients} recipients")
-    to = [_mailbox(f"to[{i}]", rcpt) for i, rcpt in enumerate(sub.to)]
-    for i, (_, mailbox) in enumerate(to):
-        refusal = rcpt_check(mailbox)
-        if refusal is not None:
-            raise ApiError(422, f"to[{i}]: {reply_text(refusal)}")
+    to = [parse_address(f"to[{i}]", rcpt) for i, rcpt in enumerate(sub.to)]
     _check_content(sub)
     if sub.klass is not None and sub.klass not in settings.classes:
         known = ", ".join(settings.classes)
         raise ApiError(400, f"class: unknown class {sub.klass!r} (known: {known})")
-    if sub.expires is not None:
-        try:
-            parse_expiry(str(sub.expires), now)
-        except ValueError as exc:
-            raise ApiError(400, f"expires: {sub.expires!r} {exc}") from None
+    expires, past = (None, False) if sub.expires is None else expiry(sub.expires, now)
     if key is not None:
         check_key(key)
     utf8 = not all(mailbox.isascii() for _, mailbox in [sender, *to])
-    return Checked(sub, sender, to, utf8, key)
+    return Checked(sub, sender, to, utf8, key, expires, past)
+
+
+def refuse_now(checked: Checked, rcpt_check: Callable[[str], str | None]) -> None:
+    """ApiError 422 for what the schema cannot say, as it depends on the moment: a
+    suppressed recipient (`rcpt_check`: the listener's RCPT refusal), a time already past."""
+    for i, (_, mailbox) in enumerate(checked.to):
+        refusal = rcpt_check(mailbox)
+        if refusal is not None:
+            raise ApiError(422, f"to[{i}]: {reply_text(refusal)}")
+    if checked.past:
+        raise ApiError(422, f"expires: {checked.submission.expires!r} is already past")
+
+
+def expiry(value: str | float, now: float) -> tuple[float, bool]:
+    """Epoch seconds of "expires" (seconds or a duration from `now`, or an RFC 3339 time:
+    rules.expires_schema), and whether it is a time already past; ApiError 400 if it is
+    none of them."""
+    delay = seconds(value)
+    if delay is not None:
+        return now + delay, False  # more than 0: to come, however little
+    at = rfc3339(value) if isinstance(value, str) else None
+    if at is None:
+        raise ApiError(
+            400,
+            f"expires: {value!r} is no RFC 3339 time (2026-12-01T10:00:00Z), duration (2h)"
+            " or number of seconds from now",
+        )
+    return at, at <= now
 
 
 def check_key(key: str) -> None:
@@ -150,24 +178,43 @@ def _check_content(sub: Submission) -> None:
             raise ApiError(400, "subject: required (or give raw)")
         if sub.text is None and sub.html is None:
             raise ApiError(400, "text: give text, html or both (or raw)")
-    elif not sub.raw or sub.raw.isspace():  # not strip(): a copy of a large message
+    elif not _NOT_BLANK.search(sub.raw):  # not strip(): a copy of a large message
         raise ApiError(400, "raw: empty")
-    if sub.subject and not sub.subject.isprintable():
-        raise ApiError(400, "subject: a line break or control character")
+    if sub.subject is not None:
+        _check_text("subject", sub.subject)
     for i, attachment in enumerate(sub.attachments):
-        for name in ("filename", "content_type", "content_id"):
-            if not (getattr(attachment, name) or "x").isprintable():
-                raise ApiError(400, f"attachments[{i}].{name}: a line break or control character")
-        if attachment.content_type and not _MIME_TYPE.match(attachment.content_type):
+        _check_text(f"attachments[{i}].filename", attachment.filename)
+        _check_text(f"attachments[{i}].content_id", attachment.content_id)
+        if not _MIME_TYPE.fullmatch(attachment.content_type):
             raise ApiError(400, f"attachments[{i}].content_type: not a MIME type (type/subtype)")
+        if base64_text(attachment.content) is None:
+            raise ApiError(400, f"attachments[{i}].content: not base64")
     for name, value in sub.headers.items():
-        lower = name.lower()
-        if not _FIELD_NAME.match(name):
+        if not _FIELD_NAME.fullmatch(name):
             raise ApiError(400, f"headers: {name!r} is not a header field name")
-        if lower in _OURS or (sub.raw is None and lower in _COMPOSED):
+        if _OURS.fullmatch(name) or (sub.raw is None and _COMPOSED.fullmatch(name)):
             raise ApiError(400, f"headers.{name}: set by the request's own fields")
-        if not value.isprintable():
-            raise ApiError(400, f"headers.{name}: a line break or control character")
+        _check_text(f"headers.{name}", value)
+
+
+def _check_text(field: str, text: str) -> None:
+    if not _TEXT.fullmatch(text):
+        raise ApiError(400, f"{field}: a line break or control character ({TEXT_RULE})")
+
+
+def _header_fields(headers: dict[str, str], policy: Policy) -> bytes:
+    """The fields, folded: RFC 2047 encoded words for non-ASCII text, unless the message
+    is SMTPUTF8's."""
+    fields = []
+    for name, value in headers.items():
+        try:
+            fields.append(policy.header_factory(name, value).fold(policy=policy).encode())
+        except UnicodeEncodeError:
+            raise
+        except Exception as exc:  # a structured field's parser: IndexError on Reply-To: <
+            raise ApiError(400, f"headers.{name}: not a {name} field the email package reads"
+                           f" ({type(exc).__name__})") from None  # fmt: skip
+    return b"".join(fields)
 
 
 def build(
@@ -183,10 +230,7 @@ def build(
     policy = SMTPUTF8 if checked.utf8 else SMTP
     field = "raw" if sub.raw is not None else "message"
     try:
-        extra = b"".join(
-            policy.header_factory(name, value).fold(policy=policy).encode()
-            for name, value in sub.headers.items()
-        )  # RFC 2047 encoded words for non-ASCII text, unless the message is SMTPUTF8's
+        extra = _header_fields(sub.headers, policy)
         given = sub.raw.encode() if sub.raw is not None else _composed(checked)
     except UnicodeEncodeError:  # JSON may escape a lone surrogate, which UTF-8 cannot carry
         raise ApiError(400, f"{field}: a lone surrogate (\\ud800-\\udfff)") from None
@@ -211,8 +255,8 @@ def build(
     steering = {}
     if sub.klass is not None:
         steering["klass"] = sub.klass
-    if sub.expires is not None:
-        steering["expires"] = parse_expiry(str(sub.expires), received.now)
+    if checked.expires is not None:
+        steering["expires"] = checked.expires
     if checked.key is not None:
         steering["idempotency_key"] = checked.key
     return msgspec.structs.replace(message, **steering), stored
@@ -221,30 +265,34 @@ def build(
 def _composed(checked: Checked) -> bytes:
     sub = checked.submission
     parts = []
-    for i, attachment in enumerate(sub.attachments):
-        try:
-            data = base64.b64decode("".join(attachment.content.split()), validate=True)
-        except (binascii.Error, ValueError):
-            raise ApiError(400, f"attachments[{i}].content: not base64") from None
+    for attachment in sub.attachments:
+        data = base64.b64decode(base64_text(attachment.content) or "")  # checked: not None
         kind, cid = attachment.content_type, attachment.content_id
         parts.append(Part(attachment.filename, data, kind, cid))
-    sender = address(*checked.sender)
-    to = [address(*rcpt) for rcpt in checked.to]
     assert sub.subject is not None  # check() saw to it
-    return compose(sender, to, sub.subject, sub.text, sub.html, parts, checked.utf8)
+    return compose(checked.sender, checked.to, sub.subject, sub.text, sub.html, parts, checked.utf8)
 
 
-def _mailbox(field: str, text: str) -> tuple[str, str]:
-    """(display name, mailbox) of "addr" or "Name <addr>"; ApiError 400 if not valid."""
-    text = text.strip()
-    display, mailbox = "", text
-    if text.endswith(">") and "<" in text:
-        at = text.rindex("<")
-        display, mailbox = text[:at].strip().strip('"').strip(), text[at + 1 : -1].strip()
+def parse_address(field: str, text: str) -> tuple[str, str]:
+    """(display name, mailbox) of "addr" or "Name <addr>" (rules.ADDRESS_PATTERN, and the
+    octets of the address); ApiError 400 if not valid."""
+    if len(text) > MAX_ADDRESS_FIELD:
+        raise ApiError(400, f"{field}: longer than {MAX_ADDRESS_FIELD} characters")
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # JSON may escape a lone surrogate
+        raise ApiError(400, f"{field}: not valid UTF-8 (a lone surrogate)") from None
+    display, mailbox = "", text.strip(WHITESPACE)
+    if mailbox.endswith(">") and "<" in mailbox:
+        at = mailbox.rindex("<")
+        name, mailbox = mailbox[:at].strip(WHITESPACE), mailbox[at + 1 : -1].strip(WHITESPACE)
+        if not _TEXT.fullmatch(name):
+            raise ApiError(400, f"{field}: a line break or control character in the name")
+        display = name.strip('"').strip(WHITESPACE)
     try:
         check_mailbox(mailbox, utf8=True)
     except AddressError as exc:
         raise ApiError(400, f"{field}: {text!r} is not a valid address: {exc}") from None
-    if not display.isprintable():
-        raise ApiError(400, f"{field}: a control character in the name")
+    if not _ADDRESS.fullmatch(text):  # the characters of an address that is not ASCII
+        raise ApiError(400, f"{field}: {text!r} is longer than the API takes: {ADDRESS_RULE}")
     return display, mailbox
