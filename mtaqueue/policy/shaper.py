@@ -91,11 +91,9 @@ _MAIL = PHASES.index("mail")
 # used again: a strict receiver tarpits a session past a few (Postfix sleeps a second per
 # reply after smtpd_soft_error_limit, 10, and hangs up at the hard limit, 20).
 REFUSALS_PER_CONNECTION = 3
-# A transaction written behind another's final dot (PIPELINING) saves one round trip, and
-# puts one more MAIL on the wire per connection: a throttle that starts meets them all
-# (measured: at a 200/s provider on loopback, 11 rate refusals in a burst instead of 6,
-# and a blocklisting). Only where a round trip costs something: connect, greeting and
-# EHLO (three round trips) taking at least this long.
+# Writing a transaction behind a final dot saves a round trip but puts a MAIL more on the
+# wire per connection, all met by a throttle that starts (a blocklisting on loopback, where
+# nothing is saved): only where connect, greeting and EHLO take this long (bench/RESULTS.md).
 FOLLOW_LATENCY = 0.02
 # A connection cap ("421 4.7.0 Error: too many connections from 192.0.2.1", "Too many
 # concurrent SMTP connections", Exchange's "maximum number of concurrent connections",
@@ -176,8 +174,7 @@ class DestinationShaper:
         return max(breaker, self._connections.wait(now), self.learner.wait(now))
 
     def pipelines(self) -> bool:
-        """Whether a transaction may be written behind another's final dot here: the
-        destination's round trips are worth saving (FOLLOW_LATENCY)."""
+        """Whether a transaction may ride behind another's final dot (FOLLOW_LATENCY)."""
         baseline = self.concurrency.baseline
         return baseline is not None and baseline >= FOLLOW_LATENCY
 
