@@ -24,6 +24,9 @@ _OURS = (CLASS_HEADER, EXPIRES_HEADER, KEY_HEADER)
 MAX_KEY_LENGTH = 256
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\Z")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+# An expiry at most this many seconds ahead (about 3,000 years): further, a DSN's
+# Will-Retry-Until or an event's time would be past the year 9999, which no datetime writes.
+MAX_EXPIRY = 10**11
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +162,8 @@ def parse_expiry(value: str, now: float) -> float:
         at = when.timestamp()
     if at <= now:
         raise ValueError("is already past")
+    if at - now > MAX_EXPIRY:
+        raise ValueError(f"is too far ahead (at most {MAX_EXPIRY:.0e} seconds from now)")
     return at
 
 

@@ -265,6 +265,13 @@ def test_expires_garbage_is_refused(value):
     assert reply.startswith("554 5.6.0 X-Mtaqueue-Expires")
 
 
+@pytest.mark.parametrize("value", [b"999999999d", b"9999-12-31T23:59:59Z", b"100000000001s"])
+def test_expires_too_far_ahead_is_refused(value):
+    # Past the year 9999 no datetime writes it (a DSN's Will-Retry-Until): refused here.
+    reply = refused(b"X-Mtaqueue-Expires: " + value + b"\r\n\r\nx\r\n")
+    assert reply.startswith("554 5.6.0 X-Mtaqueue-Expires is too far ahead"), reply
+
+
 # -- idempotency key ---------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..config import parse_duration
 from ..smtp.addresses import MAX_LOCAL_PART, MAX_PATH, WS, either, mailbox_pattern
+from ..submission import MAX_EXPIRY
 
 WHITESPACE = string.whitespace  # ASCII white space, trimmed around an address: WS
 CONTROL = r"\x00-\x1f\x7f-\x9f"  # C0, DEL, C1
@@ -97,7 +98,7 @@ def caseless(names: Sequence[str]) -> str:
 # write, in a DSN's Will-Retry-Until say. Or, for "expires", an RFC 3339 time with its
 # offset: a valid date of the years 0001 to 9998 (leap years counted), no leap second. The
 # time must be to come: 422 if it is past (a moment's matter, as a suppressed recipient is).
-MAX_SECONDS = 10**11
+MAX_SECONDS = MAX_EXPIRY
 _UNIT_DIGITS = {"ms": 14, "s?": 11, "m": 9, "h": 7, "d": 6}
 DURATION_PATTERN = (
     "^(?![0.]*(?:ms|s|m|h|d)?$)"
