@@ -599,7 +599,7 @@ def run_mtaqueue(
     workdir.mkdir()
     peer = PeerProcess(workdir, s, duration=s.outage * s.scale + timeout + 600).start()
     sink = SyntheticPeer([f"{SINK_IP}:0"]).start()
-    dns = provider_dns()
+    dns = provider_dns(peer.port)
     daemon = None
     try:
         cfg = mtaqueue_config(s, workdir / "spool", peer.port, sink.port, dns.address, naive, admin)
@@ -613,14 +613,24 @@ def run_mtaqueue(
         if daemon is not None:
             daemon.stop()
         dns.stop()
+        for proxy in PATH_PROXIES:
+            proxy.__exit__()
+        PATH_PROXIES.clear()
         run.dsns = sink.stop()["messages"]["accepted"]
         run.report = peer.stop()
     run.extra["log"] = read_daemon_log(workdir / "release.log")
     return run
 
 
-def provider_dns():
-    """A DNS server on loopback: DOMAINS hosted at mx1, mx2.provider.test (PROVIDER_IPS)."""
+# MTAQUEUE_BENCH_PATH_DELAY_MS=N puts a delay proxy (delay_proxy.py, N ms each way) in
+# front of each provider host: the MX records name 127.0.0.1x instead (mtaqueue's runs).
+PATH_DELAY_MS = float(os.environ.get("MTAQUEUE_BENCH_PATH_DELAY_MS", "0"))
+PATH_PROXIES: list = []
+
+
+def provider_dns(port: int | None = None):
+    """A DNS server on loopback: DOMAINS hosted at mx1, mx2.provider.test (PROVIDER_IPS),
+    or at delay proxies in front of them (PATH_DELAY_MS, given the provider's `port`)."""
     from dns_server import DnsServer
 
     dns = DnsServer().start()
@@ -628,6 +638,13 @@ def provider_dns():
         for i in range(len(PROVIDER_IPS)):
             dns.add(domain, "MX", f"10 mx{i + 1}.provider.test")
     for i, ip in enumerate(PROVIDER_IPS):
+        if PATH_DELAY_MS and port is not None:
+            from delay_proxy import DelayProxy
+
+            front = ip.rsplit(".", 1)[0] + f".1{ip.rsplit('.', 1)[1]}"
+            proxy = DelayProxy(f"{front}:{port}", f"{ip}:{port}", PATH_DELAY_MS / 1000)
+            PATH_PROXIES.append(proxy.__enter__())
+            ip = front
         dns.add(f"mx{i + 1}.provider.test", "A", ip)
     return dns
 
