@@ -175,7 +175,7 @@ def test_the_next_item_rides_behind_the_dot_while_the_connection_may_take_it():
     assert sched.waiting("d")["p2"] == 2
     assert of(sched.done(T0 + 1, conn, reusable=True, replies=ok), Send) == [Send(conn, "m1")]
     assert sched.follow(T0 + 1, conn) == "m2"  # the connection's third and last
-    sched.unfollow(T0 + 1, conn)  # it could not be written: back at the head
+    assert not of(sched.unfollow(T0 + 1, conn), Send)  # not written: back at the head
     assert sched.waiting("d")["p2"] == 2
     assert sched.follow(T0 + 1, conn) == "m2"
     assert of(sched.done(T0 + 2, conn, reusable=True, replies=ok), Send) == [Send(conn, "m2")]
@@ -519,8 +519,9 @@ class Storm(RuleBasedStateMachine):
         if conns:
             conn = conns[index % len(conns)]
             slot = self.slots[conn]
-            self.sched.unfollow(self.now, conn)
+            actions = self.sched.unfollow(self.now, conn)
             self.waiting[slot["destination"]][self.klass[slot.pop("follower")]] += 1
+            self.apply(actions)
 
     @rule(key=st.sampled_from(["a", "b"]), concurrency=st.integers(1, 3))
     def operator_limit(self, key, concurrency):

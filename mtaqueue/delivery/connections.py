@@ -257,12 +257,14 @@ class Connections:
                 link.conn.abort()
             return self._done(conn, link, [], now, reusable=False if written else None)
         followed: list[bool] = []
+        later: list[Step] = []  # what the core decided when a follower went back
         try:
+            follow = self._follower(conn, link, followed, later)
             results = await self.sender.transaction(
-                link.conn, message, item.indexes, content, self._follower(conn, link, followed)
+                link.conn, message, item.indexes, content, follow
             )
             if followed and link.conn.pipeline.ahead is None:  # it was not written
-                self.core.unfollow(self.clock(), conn)
+                later += self.core.unfollow(self.clock(), conn)
             host = link.candidates[link.tried - 1][0]  # the one this connection went to
             self.sender.judge_host(host, item.route.port, link.conn.ip, results, destination.source)
         except Exception as exc:
@@ -278,9 +280,9 @@ class Connections:
         for result in {id(r.reply): r for r in results}.values():
             destination.record(now, result.reply)
         _, actions = self._settle_item(destination, item, results, now)
-        return actions + self._done(conn, link, results, now)
+        return later + actions + self._done(conn, link, results, now)
 
-    def _follower(self, conn: int, link: Link, followed: list[bool]) -> Follow:
+    def _follower(self, conn: int, link: Link, followed: list[bool], later: list[Step]) -> Follow:
         """What the client asks for when a transaction's content is next: the core's next
         item for this connection, made into its transaction for this hop (`followed` gets
         True when the core gave one); None, and the item back, if it cannot go behind."""
@@ -301,7 +303,7 @@ class Connections:
                 self.clock(),
             )
             if ahead is None:
-                self.core.unfollow(self.clock(), conn)
+                later.extend(self.core.unfollow(self.clock(), conn))
                 followed.clear()
             return ahead
 

@@ -3,7 +3,7 @@
     Scheduler(classes, max_connections=, connection_idle=, rate=, tenant_rate=)
     events:  add_destination, forget, configure, reclassify, schedule, tick, enqueue,
              connected, connect_failed, done, abandon, remove   -> list[Action]
-             follow(now, conn) -> item | None; unfollow(now, conn)
+             follow(now, conn) -> item | None; unfollow(now, conn) -> list[Action]
     views:   slots(key), waiting(key), inserted (schedules by reason)
 
 It holds the scheduled queue (message ids by due time), a ready queue per destination
@@ -236,9 +236,13 @@ class Scheduler(Generic[T]):
         it, or puts it back if the connection ended; `unfollow` if it was not written."""
         return self._admission.follow(self._slots[conn], now)
 
-    def unfollow(self, now: float, conn: int) -> None:
-        """The item `follow` gave was not written: back at the head of its queue."""
-        self._admission.unfollow(self._slots[conn], now)
+    def unfollow(self, now: float, conn: int) -> list[Action]:
+        """The item `follow` gave was not written: back at the head of its queue, and what
+        may go now (another connection may take it)."""
+        slot = self._slots[conn]
+        self._admission.unfollow(slot, now)
+        self._dirty.add(slot.destination)
+        return self._run(now)
 
     def done(
         self,
