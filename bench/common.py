@@ -1,6 +1,7 @@
 """Helpers the benchmark programs share: a work directory, the load options, stopping a child.
 
 The programs import it from this directory (`sys.path` holds bench/ when one of them runs).
+`stop_process` is the tests' (tests/postfix_tools.py), which the benchmarks use anyway.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ import contextlib
 import os
 import shutil
 import socket
-import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from postfix_tools import stop_process as stop_process  # re-exported: the benchmarks' too
 
 
 @contextlib.contextmanager
@@ -41,18 +45,6 @@ def load_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--size", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
     return parser
-
-
-def stop_process(proc: subprocess.Popen | None, timeout: float) -> None:
-    """Stop a child: SIGTERM if it still runs, wait up to `timeout` s, then SIGKILL it."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def tree_pids(root: int) -> list[int]:

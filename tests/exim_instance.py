@@ -56,7 +56,6 @@ import contextlib
 import os
 import pwd
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -65,7 +64,14 @@ from pathlib import Path
 from typing import Self
 
 from exim_fetch import EximBinary, ensure_exim
-from postfix_tools import check_reachable, parse_loopback, port_free, tail, wait_banner
+from postfix_tools import (
+    check_reachable,
+    parse_loopback,
+    port_free,
+    remove_paths,
+    tail,
+    wait_banner,
+)
 
 __all__ = ["EximInstance"]
 
@@ -182,7 +188,7 @@ class EximInstance:
             check_reachable(self.workdir, USER)
             check_reachable(self.exim.path.parent, USER)  # it executes itself again
             (self.workdir / MARKER).touch()
-            self._remove(self._paths())  # a previous run's leftovers: every run starts empty
+            remove_paths(self._paths())  # a previous run's leftovers: every run starts empty
             self.config.parent.mkdir(mode=0o755)
             self.config.write_text(self._config())  # root's, 0644: as Exim requires
             self.config.chmod(0o644)
@@ -262,20 +268,12 @@ class EximInstance:
             self.debuglog,
         ]
 
-    @staticmethod
-    def _remove(paths: list[Path]) -> None:
-        for path in paths:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-
     def remove_files(self) -> None:
         """Delete what the instance created under workdir, and workdir if then empty."""
         if self.running:
             raise RuntimeError("stop the instance first")
         if (self.workdir / MARKER).exists():
-            self._remove([*self._paths(), self.workdir / MARKER])
+            remove_paths([*self._paths(), self.workdir / MARKER])
         with contextlib.suppress(OSError):
             self.workdir.rmdir()  # only if empty
 

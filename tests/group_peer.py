@@ -5,6 +5,7 @@ waits for each reply in turn stalls against it.
     GroupPeer(keywords=("PIPELINING",), answer=None, drop_ahead=False, delay=0.0)
     await .start() -> port / await .stop()
     .flushes      how many times it wrote replies (one round trip each, for the client)
+    .sessions     each connection's own .flushes and .delivered (contents answered)
     .messages     {message tag: the reply it gave to that message's content}
     .commands     every command line it read, in order
     delay         seconds before each flush: a path's round trip, as the client sees it
@@ -43,6 +44,7 @@ class GroupPeer:
         self.commands: list[str] = []
         self._server: asyncio.Server | None = None
         self._sessions: set[asyncio.Task] = set()
+        self.sessions: list[_Session] = []  # each connection's .flushes and .delivered
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._session, "127.0.0.2", 0)
@@ -62,8 +64,9 @@ class GroupPeer:
         self._sessions.add(task)
         task.add_done_callback(self._sessions.discard)
         session = _Session(self)
+        self.sessions.append(session)
         try:
-            await self._flush(writer, ["220 peer.test ESMTP"])
+            await self._flush(writer, ["220 peer.test ESMTP"], session)
             while not session.over:
                 data = await reader.read(65536)
                 if not data:
@@ -71,20 +74,23 @@ class GroupPeer:
                 session.buffer += data
                 replies, wait_point = session.process()
                 if wait_point or session.over:
-                    await self._flush(writer, replies)
+                    await self._flush(writer, replies, session)
                     session.replies = []
         except ConnectionError:
             return
         finally:
             writer.close()
 
-    async def _flush(self, writer: asyncio.StreamWriter, replies: list[str]) -> None:
+    async def _flush(
+        self, writer: asyncio.StreamWriter, replies: list[str], session: _Session
+    ) -> None:
         data = "".join(f"{r}\r\n" for r in replies if r).encode()
         if not data:
             return
         if self.delay:
             await asyncio.sleep(self.delay)
         self.flushes += 1
+        session.flushes += 1
         writer.write(data)
         await writer.drain()
 
@@ -107,6 +113,8 @@ class _Session:
         self.replies: list[str] = []
         self.state = "command"  # or "data", or "bdat"
         self.chunk = 0
+        self.flushes = 0  # of this session
+        self.delivered = 0  # contents answered in this session
         self.over = False
 
     def process(self) -> tuple[list[str], bool]:
@@ -121,6 +129,7 @@ class _Session:
             reply = self.peer.reply(verb, arg)
             if verb == "DOT":
                 self.peer.messages[arg] = reply
+                self.delivered += 1
             self.replies.append(reply)
             wait_point = verb in _WAITS or self.peer.drop_ahead
             if verb == "DATA" and reply.startswith("354"):

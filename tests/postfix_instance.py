@@ -61,7 +61,6 @@ import atexit
 import contextlib
 import os
 import pwd
-import shutil
 import signal
 import subprocess
 import time
@@ -83,6 +82,7 @@ from postfix_tools import (
     postfix_available,
     queue_files,
     received,
+    remove_paths,
     run_on_tty,
     smtp_source,
     tail,
@@ -230,7 +230,7 @@ class PostfixInstance:
             self.workdir.chmod(0o755)
             check_reachable(self.workdir)  # by the postfix user, e.g. not under /root
             (self.workdir / MARKER).touch()
-            self._remove(ours)  # a previous run's leftovers: every run starts empty
+            remove_paths(ours)  # a previous run's leftovers: every run starts empty
             self.config_dir.mkdir(mode=0o755)
             self.queue_dir.mkdir(mode=0o755)  # root-owned; post-install creates the rest
             if self.mailboxes:  # virtual(8) makes the Maildirs in it, as nobody
@@ -272,20 +272,12 @@ class PostfixInstance:
     def _paths(self) -> list[Path]:
         return [self.config_dir, self.queue_dir, self.data_dir, self.maillog, self.mail_dir]
 
-    @staticmethod
-    def _remove(paths: list[Path]) -> None:
-        for path in paths:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-
     def remove_files(self) -> None:
         """Delete what the instance created under workdir, and workdir if then empty."""
         if self._running:
             raise RuntimeError("stop the instance first")
         if (self.workdir / MARKER).exists():  # else nothing of ours is there
-            self._remove([*self._paths(), self.workdir / MARKER])
+            remove_paths([*self._paths(), self.workdir / MARKER])
         with contextlib.suppress(OSError):
             self.workdir.rmdir()  # only if empty
 

@@ -8,7 +8,7 @@
     smtp_source(target, sessions, messages, size) -> seconds   Postfix's load generator
     received(maillog) -> dict            what a receive-mode instance accepted and refused
     port_free, unused_port, wait_banner, run_on_tty, check_reachable, tail, queue_files,
-    stop_process: the small helpers the instance (and the benchmarks) use
+    stop_process, remove_paths: the small helpers the instances (and the benchmarks) use
 
 Binaries are Debian's (``/usr/sbin``): ``postfix``, ``postconf``, ``postqueue``,
 ``smtp-source``, ``smtp-sink`` (all from the ``postfix`` package) and ``postgrey``.
@@ -23,6 +23,7 @@ import pty
 import pwd
 import re
 import select
+import shutil
 import socket
 import stat
 import subprocess
@@ -178,6 +179,15 @@ def tail(path: Path, size: int = 4000) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def remove_paths(paths: list[Path]) -> None:
+    """Delete these files and directories (a private instance's), whatever is there."""
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def stop_process(proc: subprocess.Popen | None, timeout: float) -> None:

@@ -241,8 +241,9 @@ class Connections:
                 link.conn.abort()
             return self._done(conn, link, [], now, reusable=False if written else None)
         families = self.placement.families(destination, item.route, now)
-        fits = self.sender.fits(link.conn, item.route, now, families, destination.source)
-        if not written and not fits:
+        if not written and not self.sender.fits(
+            link.conn, item.route, now, families, destination.source
+        ):
             # An idle connection to a host since suspended, or not of this route: the
             # item goes back to its queue and waits for a connection of its own.
             actions = self._done(conn, link, [], now, reusable=False)

@@ -2,7 +2,6 @@
 
     Pipeline(stream, extensions, host, ip)
     await .exchange(message, recipients, content) -> (Exchange, unsent) | Reply
-    await .send(message, recipients, content, t) -> [Reply]     one whole transaction
     await .begin(message, recipients, content, t) -> Pending | [Reply]
     await .finish(pending, t, then=None) -> [Reply]
     .ahead_for(message_id) / .ahead                the transaction written behind the last
@@ -93,12 +92,6 @@ class Pipeline:
         return self.stream.open and not self.out_of_step
 
     # -- a transaction -------------------------------------------------------------------
-
-    async def send(
-        self, message: Message, recipients: list[Recipient], content: bytes, t: TimeoutsConfig
-    ) -> list[Reply]:
-        begun = await self.begin(message, recipients, content, t)
-        return begun if isinstance(begun, list) else await self.finish(begun, t)
 
     async def begin(
         self, message: Message, recipients: list[Recipient], content: bytes, t: TimeoutsConfig

@@ -2,7 +2,6 @@
 
     ReplyStream.take_over(transport) -> ReplyStream   it receives what arrives from now on
     .write(data)                      queue bytes (a pipelined group is one write)
-    await .drain()                    wait while the transport's buffer is over its limit
     await .reply(timeout) -> (code, text)   the next reply; raises StreamError
     .buffered -> bool                 bytes or replies have arrived that nobody asked for
     .open -> bool / .close()
@@ -43,7 +42,6 @@ class ReplyStream(asyncio.Protocol):
         self._size = 0
         self._replies: collections.deque[tuple[int, str]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._writable: asyncio.Future[None] | None = None
         self._ended: StreamError | None = None
 
     @classmethod
@@ -74,16 +72,6 @@ class ReplyStream(asyncio.Protocol):
         why = f": {exc}" if exc is not None else ""
         self._end(StreamError("lost", f"connection lost{why}"))
         self._transport = None
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_result(None)
-
-    def pause_writing(self) -> None:
-        if self._writable is None or self._writable.done():
-            self._writable = asyncio.get_running_loop().create_future()
-
-    def resume_writing(self) -> None:
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_result(None)
 
     # -- for the client ------------------------------------------------------------------
 
@@ -104,12 +92,6 @@ class ReplyStream(asyncio.Protocol):
             raise StreamError("lost", "connection lost before the command was sent")
         assert self._transport is not None
         self._transport.write(data)
-
-    async def drain(self) -> None:
-        if self._writable is not None and not self._writable.done():
-            await self._writable
-        if self._transport is None:
-            raise StreamError("lost", "connection lost while sending")
 
     async def reply(self, timeout: float) -> tuple[int, str]:
         """The next reply; the replies that came before an end are read first."""
