@@ -74,7 +74,7 @@ def backlog(start_daemon, overrides: tuple[str, ...], count: int) -> Iterator:
 
 
 def test_a_backlog_goes_at_one_round_trip_a_message(start_daemon, relay_to):
-    peer = GroupPeer(delay=0.01)  # a round trip worth saving (shaper.FOLLOW_LATENCY)
+    peer = GroupPeer(delay=0.02)  # a round trip worth saving (shaper.FOLLOW_LATENCY)
     daemon = backlog(start_daemon, relay_to(peer), MESSAGES)
     wait_for(lambda: not daemon.messages(), timeout=60, what="the backlog delivered")
     assert sorted(peer.messages) == sorted(f"m{i}" for i in range(MESSAGES))

@@ -12,7 +12,7 @@ from mtaqueue.config import DEFAULT_CLASSES
 from mtaqueue.delivery.registry import Registry, named
 from mtaqueue.model import Message, Recipient
 from mtaqueue.policy import rate_learner
-from mtaqueue.policy.shaper import NAMED_HOP_RATE
+from mtaqueue.policy.pacing_rules import NAMED_HOP_RATE
 from mtaqueue.routing.resolver import MxHost, Route
 from mtaqueue.scheduler.core import Scheduler
 
@@ -65,7 +65,7 @@ def test_a_quiet_destination_retires_and_keeps_what_it_learned():
 
 def test_forget_learned_drops_live_and_remembered_lessons():
     reg, _ = registry()
-    lesson = reg.create("mx1.example.net", "example.org", ROUTE, None, T0).shaper.learned()
+    lesson = reg.create("mx1.example.net", "example.org", ROUTE, None, T0).shaper.learned(T0)
     reg.learned["mx2.example.net"] = lesson
     assert reg.forget_learned("mx2.example.net", T0) == 1
     assert "mx2.example.net" not in reg.learned

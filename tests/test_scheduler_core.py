@@ -165,12 +165,13 @@ def test_the_next_item_rides_behind_the_dot_while_the_connection_may_take_it():
     sched = scheduler(p)
     (opening,) = of(enqueue_many(sched, T0, "p2", "m", 4), Connect)
     conn = opening.conn
-    assert of(sched.connected(T0, conn, latency=0.01), Send) == [Send(conn, "m0")]
+    loopback = [("connect", 0.0002), ("ehlo", 0.0004), ("ehlo", 0.0003)]
+    assert of(sched.connected(T0, conn, loopback), Send) == [Send(conn, "m0")]
     assert sched.follow(T0, conn) is None  # loopback: a round trip is not worth a MAIL ahead
     sched = scheduler(p)
     (opening,) = of(enqueue_many(sched, T0, "p2", "m", 4), Connect)
     conn = opening.conn
-    assert of(sched.connected(T0, conn, latency=0.15), Send) == [Send(conn, "m0")]  # 50 ms
+    assert of(sched.connected(T0, conn, [("ehlo", 0.05)] * 2), Send) == [Send(conn, "m0")]
     assert sched.follow(T0, conn) == "m1"
     assert sched.waiting("d")["p2"] == 2
     assert of(sched.done(T0 + 1, conn, reusable=True, replies=ok), Send) == [Send(conn, "m1")]
@@ -185,7 +186,7 @@ def test_the_next_item_rides_behind_the_dot_while_the_connection_may_take_it():
     # A follower written on a connection that then ended goes back, and goes next.
     (again,) = of(actions, Connect)
     assert again.item == "m3"
-    sched.connected(T0 + 3, again.conn, latency=0.15)
+    sched.connected(T0 + 3, again.conn, [("ehlo", 0.05)])
     sched.enqueue(T0 + 3, "d", "m4", "p2")
     assert sched.follow(T0 + 3, again.conn) == "m4"
     actions = sched.done(T0 + 4, again.conn, reusable=False, replies=ok)
@@ -434,12 +435,12 @@ class Storm(RuleBasedStateMachine):
         conns = sorted(c for c, s in self.slots.items() if s["state"] == state)
         return conns[index % len(conns)] if conns else None
 
-    @rule(index=st.integers(0, 9), latency=st.floats(0.001, 2.0))
+    @rule(index=st.integers(0, 9), latency=st.floats(0.0001, 2.0))
     def connected(self, index, latency):
         conn = self.pick("connecting", index)
         if conn is not None:
             self.slots[conn]["state"] = "connected"
-            self.apply(self.sched.connected(self.now, conn, latency))
+            self.apply(self.sched.connected(self.now, conn, [("connect", latency)]))
 
     @rule(index=st.integers(0, 9))
     def abandon(self, index):
@@ -467,8 +468,9 @@ class Storm(RuleBasedStateMachine):
         index=st.integers(0, 9),
         reusable=st.booleans(),
         reply=st.sampled_from([OK, THROTTLED, DEFERRED]),
+        seconds=st.sampled_from([0.0005, 0.001, 0.5, 2.0]),  # calm, or slowed down
     )
-    def done(self, index, reusable, reply):
+    def done(self, index, reusable, reply, seconds):
         conn = self.pick("sending", index)
         if conn is not None:
             slot = self.slots[conn]
@@ -478,7 +480,11 @@ class Storm(RuleBasedStateMachine):
             if not reusable:
                 del self.slots[conn]  # its slot ends: the core says nothing more of it
             actions = self.sched.done(
-                self.now, conn, reusable=reusable, replies=[(reply, classify(reply, ()))]
+                self.now,
+                conn,
+                reusable=reusable,
+                replies=[(reply, classify(reply, ()))],
+                timings=[("mail", 0.0005), ("dot", seconds)],
             )
             sends = [a for a in actions if isinstance(a, Send) and a.conn == conn]
             if follower is not None and reusable and sends == [Send(conn, follower)]:

@@ -14,9 +14,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mtaqueue.config import DestinationRule, Pacing, ShapingConfig, ThrottleRule
 from mtaqueue.policy.classify import classify
+from mtaqueue.policy.pacing_rules import NAMED_HOP_RATE, pacing_for, stated_rate
 from mtaqueue.policy.rate_learner import BETA
 from mtaqueue.policy.replies import Reply
-from mtaqueue.policy.shaper import NAMED_HOP_RATE, DestinationShaper, pacing_for, stated_rate
+from mtaqueue.policy.shaper import DestinationShaper
 
 # A small, quick destination: 4 connections at most, 2 to start, one reserved for p0.
 PACING = Pacing(max_connections=4, initial_connections=2, reserved_p0=1)
@@ -57,9 +58,16 @@ def slots(shaper: DestinationShaper, now: float) -> tuple[int, int]:
     return ordinary, reserved
 
 
-def grow_to(shaper: DestinationShaper, now: float, limit: int) -> None:
+def grow_to(shaper: DestinationShaper, now: float, limit: int) -> float:
+    """Deliveries whose replies come at an even pace (calm rounds) until the concurrency
+    is at `limit`: the time then."""
     while shaper.concurrency.limit < limit:
+        now += 0.001
         report(shaper, now, DELIVERED)
+        closed = shaper.timed(now, [("mail", 0.0005), ("dot", 0.0005)], 0.0)
+        if closed is not None:
+            shaper.react(now, closed, ours=False)
+    return now
 
 
 # -- admission ----------------------------------------------------------------------------
@@ -77,11 +85,11 @@ def test_reserved_slot_for_the_first_class():
     shaper = shaper_at()
     # At limit 2 one slot is bulk's, the other the first class's.
     assert slots(shaper, 0.0) == (1, 1)
-    grow_to(shaper, 0.0, 4)
-    assert slots(shaper, 0.0) == (3, 1)
+    now = grow_to(shaper, 0.0, 4)
+    assert slots(shaper, now) == (3, 1)
     # Cut to 1 by two episodes: bulk keeps its one connection (never starved), p0 goes
     # first on it.
-    report(shaper, 0.0, THROTTLED)
+    report(shaper, now, THROTTLED)
     report(shaper, 100.0, THROTTLED)
     assert shaper.concurrency.limit == 1
     assert slots(shaper, 200.0) == (1, 0)
@@ -89,12 +97,12 @@ def test_reserved_slot_for_the_first_class():
 
 def test_first_class_connections_do_not_take_the_ordinary_share():
     shaper = shaper_at()
-    grow_to(shaper, 0.0, 4)
+    now = grow_to(shaper, 0.0, 4)
     # Two first-class-only connections opened while the limit grew (1 ordinary, 2
     # reserved, e.g. during a p0 wave): bulk may still open two more ordinary ones.
-    assert shaper.connect_wait(0.0, 3, 2, first_class=False) == 0
-    assert shaper.connect_wait(0.0, 4, 2, first_class=False) == math.inf
-    assert shaper.connect_wait(0.0, 4, 3, first_class=True) == math.inf
+    assert shaper.connect_wait(now, 3, 2, first_class=False) == 0
+    assert shaper.connect_wait(now, 4, 2, first_class=False) == math.inf
+    assert shaper.connect_wait(now, 4, 3, first_class=True) == math.inf
 
 
 def test_no_reserve():
@@ -310,7 +318,7 @@ def test_too_many_connections_at_the_greeting_caps_concurrency_not_the_host():
     # The rate is as it was; the refusal pauses (strict sites list a client that goes on).
     assert snap["messages_per_minute"] == pytest.approx(120)
     assert shaper.send_wait(0.0) == pytest.approx(5.0)
-    assert shaper.learned().concurrency == 3  # remembered
+    assert shaper.learned(10.0).concurrency == 3  # remembered
 
 
 def test_forgetting_lifts_a_learned_cap_and_rate_but_not_the_operators_limit():
@@ -318,7 +326,7 @@ def test_forgetting_lifts_a_learned_cap_and_rate_but_not_the_operators_limit():
     shaper.result(0.0, TOO_MANY, classify(TOO_MANY), active=4)
     report(shaper, 10.0, THROTTLED)
     shaper.override(10.0, rate_per_minute=300, concurrency=None, until=None)
-    assert (shaper.snapshot(10.0)["max"], shaper.learned().concurrency) == (3, 3)
+    assert (shaper.snapshot(10.0)["max"], shaper.learned(10.0).concurrency) == (3, 3)
     shaper.forget(11.0)
     snap = shaper.snapshot(11.0)
     assert snap["max"] == 8  # the configured ceiling again, not the learned 3
@@ -326,7 +334,7 @@ def test_forgetting_lifts_a_learned_cap_and_rate_but_not_the_operators_limit():
     assert shaper.send_wait(11.0) == 0  # no cool-down left either
     assert snap["messages_per_minute"] == pytest.approx(120)  # the slow start, under
     assert snap["override"]["rate_per_minute"] == 300  # the operator's ceiling, kept
-    assert shaper.learned().good == 0 and shaper.learned().rate_reply == ""
+    assert shaper.learned(11.0).good == 0 and shaper.learned(11.0).rate_reply == ""
 
 
 def test_a_rate_stated_for_a_destination_is_where_it_starts_the_default_only_caps():
@@ -441,19 +449,43 @@ def test_a_greylisted_wave_grows_the_learned_rate():
     assert shaper.concurrency.limit == 2  # not a delivery for the concurrency
 
 
-def test_silent_throttling_cuts_concurrency():
+def test_silent_throttling_cuts_concurrency_and_rate():
     shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=8))
-    for i in range(5):
-        shaper.latency(float(i), 0.2)
-    assert shaper.concurrency.limit == 8
-    shaper.latency(6.0, 2.0)
+    now = 0.0
+    for _ in range(5):  # calm: the first of each kind, and a round near the baseline
+        now += 0.1
+        shaper.timed(now, [("mail", 0.2), ("dot", 0.2)], 0.0)
+    closed = None
+    for _ in range(4):  # the reply after the dot ten times slower
+        now += 3.0
+        closed = shaper.timed(now, [("mail", 0.2), ("dot", 2.0)], 0.0) or closed
+    assert closed is not None and closed.verdict == "slow" and closed.kind == "dot"
+    shaper.react(now, closed, ours=False)
     assert shaper.concurrency.limit == 4
-    snap = shaper.snapshot(6.0)
+    snap = shaper.snapshot(now)
     assert snap["mode"] == "normal"  # a cut, not backoff mode
     # ... and a throttle signal for the learned rate: a pause and a cut.
     assert snap["learned"]["phase"] == "paused"
-    assert snap["learned"]["rate_reply"].startswith("latency 2.000s over a 0.")
+    assert snap["learned"]["rate_reply"] == "latency 10.0x the dot reply's baseline"
     assert snap["messages_per_minute"] < 120
+    assert snap["latency"]["slowed"] == {
+        "at": now,
+        "ratio": 10.0,
+        "kind": "dot",
+        "from": 8,
+        "to": 4,
+    }
+    assert [(c.old, c.new) for c in shaper.latency_changes()] == [(8, 4)]
+
+
+def test_slowness_of_our_own_cuts_nothing():
+    shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=8))
+    shaper.timed(0.0, [("dot", 0.2)], 0.0)
+    closed = shaper.timed(30.0, [("dot", 2.0)] * 8, 0.0)
+    assert closed is not None and closed.verdict == "slow"
+    shaper.react(30.0, closed, ours=True)
+    assert shaper.concurrency.limit == 8
+    assert shaper.snapshot(30.0)["learned"]["phase"] != "paused"
 
 
 # -- release after a reopening ---------------------------------------------------------------
@@ -655,9 +687,11 @@ class Shaper(RuleBasedStateMachine):
     def connect_failed(self):
         self.shaper.connect_failed(self.now)
 
-    @rule(seconds=st.floats(0.01, 30))
-    def latency(self, seconds):
-        self.shaper.latency(self.now, seconds)
+    @rule(seconds=st.floats(0.01, 30), ours=st.booleans())
+    def latency(self, seconds, ours):
+        closed = self.shaper.timed(self.now, [("dot", seconds)] * 3, 0.0)
+        if closed is not None:
+            self.shaper.react(self.now, closed, ours)
 
     @rule(seconds=st.sampled_from([0.1, 1.0, 5.0, 31.0, 300.0, 601.0]))
     def wait(self, seconds):

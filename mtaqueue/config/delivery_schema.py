@@ -87,7 +87,7 @@ class Pacing(Table):
 class DestinationRule(Table):
     """Pacing for destinations matched by recipient domain or by MX host name suffix.
 
-    A key left out keeps the value of shaping.default (see `pacing_for`)."""
+    A key left out keeps the value of shaping.default (see `policy/pacing_rules.pacing_for`)."""
 
     domain: str = ""  # e.g. "gmail.com"
     mx_suffix: str = ""  # e.g. ".google.com"

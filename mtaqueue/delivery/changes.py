@@ -3,7 +3,7 @@
     relay_refused(destination, host, ip, results)   a smarthost refusing our AUTH or TLS
     changed_since(destination, before, now, actions)   circuit or mode changed, lessons;
                                                        a site that refused our address
-    learned_changes(destination, now)               learned limits that moved
+    learned_changes(destination, now)               learned limits that moved, latency cuts
 
 Logs only: nothing here decides.
 """
@@ -90,4 +90,14 @@ def learned_changes(destination: Destination, now: float) -> None:
             new=round(change.new * 60, 2) if rate else change.new,
             reply=change.reply,
             probing=shaper.probing(now),
+        )
+    for step in shaper.latency_changes():
+        # A cut for silent throttling, or a step back up after one (docs/runbooks.md).
+        (log.warning if step.new < step.old else log.info)(
+            "latency_slowed" if step.new < step.old else "latency_recovered",
+            destination=destination.key,
+            old=step.old,
+            new=step.new,
+            ratio=round(step.ratio, 2),
+            kind=step.kind or None,
         )

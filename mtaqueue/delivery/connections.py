@@ -176,8 +176,8 @@ class Connections:
             latency = time.monotonic() - started
             if self.on_connect is not None:
                 self.on_connect(destination.key, latency)
-            actions = self.core.connected(now, action.conn, latency)
-            learned_changes(destination, now)  # a latency far over the baseline
+            actions = self.core.connected(now, action.conn, opened.handshake)
+            learned_changes(destination, now)  # a latency round that slowed it
             return actions
         failed = self.sender.result(0, opened, host, ip)
         relay_refused(destination, host, ip, [failed])
@@ -289,11 +289,12 @@ class Connections:
         True when the core gave one); None, and the item back, if it cannot go behind."""
 
         async def follow(pending: Pending) -> Ahead | None:
-            item = self.core.follow(self.clock(), conn)
+            assert link.conn is not None and link.conn.pipeline is not None
+            item = self.core.follow(self.clock(), conn, link.conn.pipeline.timed())
             if item is None:
                 return None
             followed.append(True)
-            assert isinstance(item, WorkItem) and link.conn is not None
+            assert isinstance(item, WorkItem)
             ahead = await written_ahead(
                 link.conn,
                 item,
@@ -329,7 +330,8 @@ class Connections:
         before = destination.shaper.state(now)
         try:
             replies = [(r.reply, r.verdict) for r in results]
-            actions = self.core.done(now, conn, reusable=usable, replies=replies)
+            timings = link.conn.pipeline.timed() if link.conn.pipeline is not None else ()
+            actions = self.core.done(now, conn, reusable=usable, replies=replies, timings=timings)
         except Exception:  # pacing is advice: what the attempt got is recorded already
             log.exception("feedback_failed", destination=destination.key)
             actions = []

@@ -4,6 +4,7 @@
     .now() -> float                      the clock every room is given
     .perform(actions)                    do what the core (and the rooms) decided
     .route_due(message_ids)              route due mail now (a revalidation's go-ahead)
+    await .watch_lag()                   how late the event loop runs, for the core
     .close(grace)                        stop: no new connection; attempts may finish
     .closing
 
@@ -36,6 +37,8 @@ from .registry import Registry
 from .tasks import Tasks
 
 log = get_logger("delivery")
+
+LAG_TICK = 0.1  # seconds between looks at how late the event loop runs
 
 
 class Driver:
@@ -94,6 +97,15 @@ class Driver:
                 actions += self._release(action)
             elif isinstance(action, Retire):
                 self.registry.retire(action.destination, self.now())
+
+    async def watch_lag(self) -> None:
+        """Tell the core how late the event loop runs: a reply that a busy loop read late
+        was not sent late by its destination (policy/latency.py, our own load)."""
+        loop = asyncio.get_running_loop()
+        while not self.closing:
+            planned = loop.time() + LAG_TICK
+            await asyncio.sleep(LAG_TICK)
+            self.core.load.lag(self.now(), max(0.0, loop.time() - planned))
 
     def _tick(self) -> None:
         self._timer = None

@@ -201,6 +201,7 @@ class DeliveryManager:
         self.outcomes.started = True  # (delivery.enabled = false: never; nothing to save)
         self.tasks.spawn(self.driver.read_queue(list(self.spool.messages)))
         self.tasks.spawn(self.upkeep.run())
+        self.tasks.spawn(self.driver.watch_lag())
         self.tasks.spawn(self._reports.run())
 
     async def close(self, grace: float) -> None:

@@ -27,8 +27,9 @@ from ..logs import get_logger
 from ..model import PENDING
 from ..policy import rate_learner
 from ..policy.egress import EgressState
+from ..policy.pacing_rules import pacing_for, stated_rate
 from ..policy.pipelining import OutOfStep
-from ..policy.shaper import DestinationShaper, pacing_for, stated_rate
+from ..policy.shaper import DestinationShaper
 from ..routing.pools import Source
 from ..routing.relays import Relay
 from ..routing.resolver import Route
@@ -89,7 +90,7 @@ class Registry:
         pacing = pacing_for(self.shaping, domain, destination.hosts)
         if pacing != destination.pacing or fresh:
             destination.pacing = pacing
-            learned = destination.shaper.learned()
+            learned = destination.shaper.learned(now)
             destination.shaper = DestinationShaper(
                 pacing,
                 self.shaping,
@@ -156,7 +157,7 @@ class Registry:
         deferred message keeps its destination's state in `mtaqueue-ctl domains`)."""
         quiet = destination.shaper.at_rest(now) and not destination.recent(now)
         if quiet and not self._still_waiting(destination) and self.core.forget(destination.key):
-            self.learned[destination.key] = destination.shaper.learned()
+            self.learned[destination.key] = destination.shaper.learned(now)
             self.destinations.pop(destination.key, None)
 
     def _still_waiting(self, destination: Destination) -> bool:
@@ -203,7 +204,7 @@ class Registry:
     def learned_data(self, now: float) -> bytes:
         """The state file: live destinations' lessons over the remembered ones, without
         those forgotten by now or that taught nothing."""
-        live = {key: d.shaper.learned() for key, d in self.destinations.items()}
+        live = {key: d.shaper.learned(now) for key, d in self.destinations.items()}
         learned = {**self.learned, **live}
         self.learned = {
             key: lesson for key, lesson in learned.items() if rate_learner.kept(lesson, now)

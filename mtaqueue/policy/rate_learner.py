@@ -90,6 +90,8 @@ class Learned(msgspec.Struct, frozen=True):
     concurrency: int = 0  # connections that worked when one more was refused; 0: no cap
     concurrency_reply: str = ""
     at: float = 0.0  # the last traffic; decay counts from here
+    sessions: int = 0  # connections past which its replies slowed (the knee); 0: none known
+    latency: dict[str, float] = {}  # reply-latency baselines by kind (policy/latency.py)
 
 
 class Change(msgspec.Struct, frozen=True):
@@ -121,6 +123,7 @@ def decayed(learned: Learned, now: float, start: float = SLOW_START) -> Learned 
         rate=start + (learned.rate - start) * weight,
         good=good,
         concurrency=learned.concurrency if weight >= 0.25 else 0,
+        sessions=learned.sessions if weight >= 0.25 else 0,
     )
 
 
@@ -129,7 +132,10 @@ def kept(learned: Learned, now: float) -> bool:
     fresh slow start (most destinations get a message or two and never grow)."""
     current = decayed(learned, now)
     return current is not None and (
-        current.good > 0 or current.concurrency > 0 or current.rate != SLOW_START
+        current.good > 0
+        or current.concurrency > 0
+        or current.sessions > 0
+        or current.rate != SLOW_START
     )
 
 

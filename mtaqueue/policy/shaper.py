@@ -32,9 +32,9 @@ Feedback rules (`result`):
   rate instead of going out at the slow start's 2/s.
 - Throttling: a reply classified as throttling for the site (recipient-scoped throttling,
   such as Gmail's per-mailbox 4.2.1, is that mailbox's business), or a throttle rule's
-  threshold reached, or latency far over the baseline: a throttle signal for the learned
-  rate (a cool-down and a cut; "too many connections" caps the concurrency instead of
-  cutting the rate), and a concurrency cut once per episode. Only a rule's hit puts the
+  threshold reached: a throttle signal for the learned rate (a cool-down and a cut; "too
+  many connections" caps the concurrency instead of cutting the rate), and a concurrency
+  cut once per episode. Only a rule's hit puts the
   destination in backoff mode (longer retries); a throttling reply is pacing, never a
   breaker failure, except from the half-open probe.
 - Connection failure: a transient failure before MAIL FROM that is not throttling
@@ -54,6 +54,8 @@ Feedback rules (`result`):
   (`blocked_by` keeps the reply); nothing more goes from this source until its probe is
   answered by something else; the connections open close after their transaction. Its
   mail waits uncharged; a pool's other sources take it.
+- Reply latency (`timed`, then `react` with the core's word on our own load): silent
+  throttling cuts the concurrency and the rate (policy/slowdown.py).
 - Any other reply shows the site answering: it closes a half-open breaker, unless it is a
   throttle reply (the site is still unhappy: the breaker opens again). When a breaker
   closes, concurrency starts over at 1 and grows with successes.
@@ -67,12 +69,16 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import msgspec
+
 from .. import config
 from .breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from .buckets import TokenBucket
 from .concurrency import AdaptiveConcurrency
+from .latency import Round
 from .rate_learner import PROBING, SLOW_STARTING, Change, Learned, RateLearner
 from .replies import PHASES, Reply
+from .slowdown import Slowdown, Slowed
 from .throttle import BackoffMode, ThrottleRules
 from .verdict import (
     AUTH,
@@ -93,8 +99,9 @@ _MAIL = PHASES.index("mail")
 REFUSALS_PER_CONNECTION = 3
 # Writing a transaction behind a final dot saves a round trip but puts a MAIL more on the
 # wire per connection, all met by a throttle that starts (a blocklisting on loopback, where
-# nothing is saved): only where connect, greeting and EHLO take this long (bench/RESULTS.md).
-FOLLOW_LATENCY = 0.02
+# nothing is saved): only where a command's reply takes this long (the least baseline of
+# them, policy/latency.py `rtt`), as on a path across a city (bench/RESULTS.md).
+FOLLOW_LATENCY = 0.01
 # A connection cap ("421 4.7.0 Error: too many connections from 192.0.2.1", "Too many
 # concurrent SMTP connections", Exchange's "maximum number of concurrent connections",
 # Comcast's "Too many sessions opened", Haraka's "connection concurrency limit"): the
@@ -137,8 +144,10 @@ class DestinationShaper:
         self.concurrency = AdaptiveConcurrency(
             pacing.initial_connections,
             pacing.max_connections,
-            latency_factor=shaping.latency_factor,
+            learned.sessions if learned is not None else 0,
+            now,
         )
+        self.slowdown = Slowdown(shaping.latency_factor, learned, now)
         self.breaker = CircuitBreaker(
             shaping.breaker_failures,
             shaping.breaker_window,
@@ -173,10 +182,10 @@ class DestinationShaper:
             return math.inf
         return max(breaker, self._connections.wait(now), self.learner.wait(now))
 
-    def pipelines(self) -> bool:
+    def pipelines(self, now: float) -> bool:
         """Whether a transaction may ride behind another's final dot (FOLLOW_LATENCY)."""
-        baseline = self.concurrency.baseline
-        return baseline is not None and baseline >= FOLLOW_LATENCY
+        rtt = self.slowdown.latency.rtt(now)
+        return rtt is not None and rtt >= FOLLOW_LATENCY
 
     def keeps(self, now: float, active: int, reserved: int, first_class: bool) -> bool:
         """Whether an open connection (counted in `active`, and in `reserved` if it is a
@@ -220,7 +229,9 @@ class DestinationShaper:
         `active` counts the connections open to the destination, this one included: if
         it was refused as one too many, the others are what worked."""
         if verdict.outcome == DELIVERED and reply.code:  # not a lost reply taken as delivered
-            self.concurrency.success()
+            before = self.concurrency.limit
+            if self.concurrency.success(now):
+                self.slowdown.stepped_up(now, before)
             self.backoff.success(now)
             self.learner.delivered(now, self._rate_ceiling())
             self._answered(now)
@@ -228,14 +239,19 @@ class DestinationShaper:
             self._failed(now, reply, verdict, active)
         self._apply(now)
 
-    def latency(self, now: float, seconds: float) -> None:
-        """A connect, greeting or reply time (one kind, consistently)."""
+    def timed(self, now: float, samples: Iterable[tuple[str, float]], lag: float) -> Round | None:
+        """Replies timed (policy/slowdown.py): the round they closed, if any."""
+        return self.slowdown.timed(now, samples, lag)
+
+    def react(self, now: float, closed: Round, ours: bool) -> None:
+        """A latency round closed; `ours`: slowness of our own, nothing is cut for it."""
         self._apply(now)
-        limit = self.concurrency.limit
-        self.concurrency.latency(seconds)
-        if self.concurrency.limit < limit:  # far above the baseline: silent throttling
-            baseline = self.concurrency.baseline or 0.0
-            self.learner.throttled(now, f"latency {seconds:.3f}s over a {baseline:.3f}s baseline")
+        if self.slowdown.react(now, closed, ours, self.concurrency, self.learner):
+            self._apply(now)
+
+    def latency_changes(self) -> list[Slowed]:
+        """Latency cuts, and steps back up after one, since the last call (for the log)."""
+        return self.slowdown.changes()
 
     def probe(self, now: float) -> None:
         """An operator lifted what held the destination back (flush, unsuspend): one probe
@@ -289,6 +305,7 @@ class DestinationShaper:
         """Learn the destination anew from the slow start (mtaqueue-ctl forget): its rate,
         the limit it taught and its connection cap. Operator limits and backoff stay."""
         self.learner = RateLearner(now, start=self._start)
+        self.concurrency.knee = 0
         self._apply(now)
 
     def state(self, now: float) -> ShaperState:
@@ -318,7 +335,7 @@ class DestinationShaper:
             "blocked_by": self.blocked_by,
             "messages_per_minute": self._messages.rate * 60,
             "connections_per_minute": self._connections.rate * 60,
-            "latency_baseline": self.concurrency.baseline,
+            "latency": self.slowdown.view(now, self.concurrency),
             "learned": self._learned_view(now),
             "override": None
             if override is None
@@ -329,9 +346,13 @@ class DestinationShaper:
             },
         }
 
-    def learned(self) -> Learned:
+    def learned(self, now: float) -> Learned:
         """What to remember across a restart."""
-        return self.learner.learned()
+        return msgspec.structs.replace(
+            self.learner.learned(),
+            sessions=self.concurrency.knee,
+            latency=self.slowdown.saved(now),
+        )
 
     def changes(self) -> list[Change]:
         """Learned limits that moved since the last call (`limit_learned`)."""
@@ -433,66 +454,3 @@ def _connection_failure(reply: Reply, verdict: Verdict) -> bool:
     if verdict.outcome == PERMANENT or reply.phase == "dns":
         return False
     return reply.network == "timeout" or PHASES.index(reply.phase) < _MAIL
-
-
-def pacing_for(
-    shaping: config.ShapingConfig, domain: str, mx_hosts: Iterable[str]
-) -> config.Pacing:
-    """The pacing of a destination: the first [[shaping.destinations]] rule whose `domain`
-    is the domain, or whose `mx_suffix` ends any MX host name, over shaping.default.
-
-    Names compare without case or a trailing dot. A suffix with a leading dot
-    (".google.com") matches by the end of the name; one without ("google.com") matches
-    that name and its subdomains, not "notgoogle.com"."""
-    rule = _rule_for(shaping, domain, mx_hosts)
-    return rule.over(shaping.default) if rule else shaping.default
-
-
-# Where a next hop the operator named (delivery.relayhost, a route, a class's or tenant's
-# smarthost) starts without history, messages a minute: not in slow start. Slow start (2/s,
-# doubling each 0.25 s) is for a provider nobody told us about; it took ~2.5 s of every
-# burst to a relayhost, a third of bench/delivery_bench.py's throughput (bench/RESULTS.md,
-# "End-to-end throughput after 639f883"). Postfix paces a relayhost by nothing at all; a
-# throttle signal still cuts this rate to what the hop took (rate_learner.py).
-NAMED_HOP_RATE = 60_000.0
-
-
-def stated_rate(
-    shaping: config.ShapingConfig,
-    domain: str,
-    mx_hosts: Iterable[str],
-    *,
-    named_hop: bool = False,
-) -> float:
-    """The messages a minute a [[shaping.destinations]] rule gives this destination, 0 if
-    none. An admin who names a destination's rate knows that provider: a destination with
-    no history starts there instead of in slow start. shaping.default's rate says nothing
-    of any one provider: it stays a ceiling over the slow start. `named_hop`: the
-    destination is a next hop the operator configured, not the recipient domain's own MX;
-    without a rule's rate it starts at NAMED_HOP_RATE (under the ceiling, if any)."""
-    rule = _rule_for(shaping, domain, mx_hosts)
-    rate = (rule.messages_per_minute or 0.0) if rule else 0.0
-    return rate or (NAMED_HOP_RATE if named_hop else 0.0)
-
-
-def _rule_for(
-    shaping: config.ShapingConfig, domain: str, mx_hosts: Iterable[str]
-) -> config.DestinationRule | None:
-    domain = _name(domain)
-    hosts = [_name(host) for host in mx_hosts]
-    for rule in shaping.destinations:
-        if rule.domain and _name(rule.domain) == domain:
-            return rule
-        if rule.mx_suffix and any(_under(host, _name(rule.mx_suffix)) for host in hosts):
-            return rule
-    return None
-
-
-def _name(name: str) -> str:
-    return name.lower().removesuffix(".")
-
-
-def _under(host: str, suffix: str) -> bool:
-    if suffix.startswith("."):
-        return host.endswith(suffix)
-    return host == suffix or host.endswith("." + suffix)

@@ -3,7 +3,8 @@
     Scheduler(classes, max_connections=, connection_idle=, rate=, tenant_rate=)
     events:  add_destination, forget, configure, reclassify, schedule, tick, enqueue,
              connected, connect_failed, done, abandon, remove   -> list[Action]
-             follow(now, conn) -> item | None; unfollow(now, conn) -> list[Action]
+             follow(now, conn, timings) -> item | None; unfollow(now, conn) -> list[Action]
+    .load    OwnLoad: the driver tells it how late the event loop runs (policy/latency.py)
     views:   slots(key), waiting(key), inserted (schedules by reason)
 
 It holds the scheduled queue (message ids by due time), a ready queue per destination
@@ -19,8 +20,9 @@ One place permits every `Connect` and every item handed out (scheduler/slots.py)
 slot is a connection: one that ends (the server closed, messages_per_connection reached)
 ends its slot, and the next is admitted like any new one. Reserved slots
 (pacing.reserved_p0) carry first-class work only. Feedback goes to the shaper: one
-signal per distinct reply of a transaction, a failed connect, a connect latency; when a
-probe closes the circuit, what waited is released (`Release`) rather than sent at once.
+signal per distinct reply of a transaction, a failed connect, the replies it timed (a
+latency round is judged against our own load first: `OwnLoad` sees every destination);
+when a probe closes the circuit, what waited is released (`Release`), not sent at once.
 
 A destination that does not answer is one outage, not one per message: a connect or
 greeting timeout that leaves no host to try, while none of the destination's connections
@@ -42,6 +44,7 @@ from ..config import Pacing
 from ..policy.breaker import CLOSED, HALF_OPEN
 from ..policy.buckets import TokenBucket
 from ..policy.fairness import FairQueue
+from ..policy.latency import OwnLoad
 from ..policy.replies import Reply
 from ..policy.shaper import DestinationShaper
 from ..policy.verdict import Verdict
@@ -49,6 +52,7 @@ from .actions import Action, Close, Dispatch, GiveUp, Release, Send, Wake
 from .slots import IDLE, SENDING, UP, WAITING, Admission, Station
 
 T = TypeVar("T")
+Timing = tuple[str, float]  # a reply timed: (kind, seconds) (policy/latency.py)
 
 # Why a message goes (back) into the scheduled queue, as KumoMTA's InsertReason: every
 # `schedule` names one, and the core counts them (`inserted`: the metric
@@ -96,6 +100,7 @@ class Scheduler(Generic[T]):
         self._timers: list[tuple[float, int, str]] = []  # (at, seq, destination)
         self._timer_of: dict[str, tuple[float, int]] = {}
         self.inserted: Counter[str] = Counter({reason: 0 for reason in REASONS})
+        self.load = OwnLoad()
 
     @property
     def classes(self) -> dict[str, tuple[int, int]]:
@@ -187,13 +192,12 @@ class Scheduler(Generic[T]):
         self._dirty.add(key)
         return self._run(now) if run else []
 
-    def connected(self, now: float, conn: int, latency: float | None = None) -> list[Action]:
+    def connected(self, now: float, conn: int, timings: Iterable[Timing] = ()) -> list[Action]:
+        """The connection of a `Connect` is open; `timings`: its handshake timed."""
         slot = self._slots[conn]
-        shaper = self._stations[slot.destination].shaper
         self._dirty.add(slot.destination)
         self._admission.answered(slot)
-        if latency is not None:
-            shaper.latency(now, latency)
+        self._timed(now, slot.destination, timings)
         slot.state = SENDING  # the item of the Connect goes now, unless first-class work
         self._admission.first_class_first(slot, now)  # came in while the connection opened
         return [Send(conn, slot.item), *self._run(now)]  # type: ignore[arg-type]
@@ -229,12 +233,13 @@ class Scheduler(Generic[T]):
         self._admission.end(slot)
         return [GiveUp(conn, item), *self._run(now)]
 
-    def follow(self, now: float, conn: int) -> object | None:
-        """The transaction on `conn` is about to send its content: the item that may ride
-        right behind it (its commands written behind the final dot, RFC 2920), if the
-        connection would take it at once anyway (slots.py `follow`). `done` then sends
-        it, or puts it back if the connection ended; `unfollow` if it was not written."""
-        return self._admission.follow(self._slots[conn], now)
+    def follow(self, now: float, conn: int, timings: Iterable[Timing] = ()) -> object | None:
+        """Content is next on `conn` (`timings`: its replies so far): the item that may
+        ride behind its final dot (RFC 2920) if the connection would take it at once anyway
+        (slots.py `follow`); `done` sends it or puts it back, `unfollow` if not written."""
+        slot = self._slots[conn]
+        self._timed(now, slot.destination, timings)
+        return self._admission.follow(slot, now)
 
     def unfollow(self, now: float, conn: int) -> list[Action]:
         """The item `follow` gave was not written: back at the head of its queue, and what
@@ -251,12 +256,15 @@ class Scheduler(Generic[T]):
         *,
         reusable: bool,
         replies: Iterable[tuple[Reply, Verdict]] = (),
+        timings: Iterable[Timing] = (),
     ) -> list[Action]:
         """The transaction of a `Send` (or the one after `connected`) is settled by the
-        driver; `reusable`: the connection can take another; `replies`: what it got."""
+        driver; `reusable`: the connection can take another; `replies`: what it got;
+        `timings`: its replies timed, as (kind, seconds)."""
         slot = self._slots[conn]
         destination = self._stations[slot.destination]
         self._dirty.add(destination.key)
+        self._timed(now, destination.key, timings)
         probing = destination.shaper.state(now).circuit == HALF_OPEN
         seen: set[int] = set()
         for reply, verdict in replies:  # one signal per reply, not per recipient
@@ -279,6 +287,13 @@ class Scheduler(Generic[T]):
         else:
             slot.state, slot.until = IDLE, now + self._admission.connection_idle
         return actions + self._run(now)
+
+    def _timed(self, now: float, key: str, timings: Iterable[Timing]) -> None:
+        shaper = self._stations[key].shaper
+        closed = shaper.timed(now, timings, self.load.lagging(now))
+        if closed is not None:
+            self.load.reported(now, key, closed.verdict)
+            shaper.react(now, closed, self.load.ours(now))
 
     def abandon(self, now: float, conn: int) -> list[Action]:
         """The driver did not open the connection of a `Connect` (every host suspended,

@@ -283,7 +283,7 @@ class Admission:
         shaper = station.shaper
         if slot.follower is not None or self._others_starve(station.key):
             return None
-        if not shaper.pipelines():  # a round trip too short to be worth a MAIL ahead
+        if not shaper.pipelines(now):  # a round trip too short to be worth a MAIL ahead
             return None
         if slot.transactions + 2 > station.pacing.messages_per_connection:
             return None

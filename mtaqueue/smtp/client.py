@@ -5,6 +5,7 @@
     await .send(message, recipients, content, t) -> [Reply]   one transaction
     .pipeline                    the session's transactions (smtp/pipeline.py)
     .usable  .dsn  .host  .ip  .tls  .verified  .banner
+    .handshake                   [(kind, seconds)]: the connect, banner and EHLO, timed
     await .quit() / .abort()
 
 It speaks the protocol and reports what happened as `Reply` records (phase,
@@ -26,6 +27,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -97,6 +99,7 @@ class SmtpConnection:
         self.transactions = 0
         self.refusals = 0  # 4xx replies since it last delivered (the sender counts them)
         self.banner = ""
+        self.handshake: list[tuple[str, float]] = []  # replies timed (policy/latency.py)
         self.pipeline: Pipeline | None = None  # the transactions, once the handshake is over
 
     @property
@@ -132,6 +135,7 @@ class SmtpConnection:
                 sock.close()
                 text = f"cannot bind source {settings.source}: {exc}"
                 raise ConnectFailed(network("connect", "local", text)) from None
+        started = time.monotonic()
         try:
             await asyncio.wait_for(loop.sock_connect(sock, (ip, port)), t.connect)
         except TimeoutError:
@@ -160,12 +164,19 @@ class SmtpConnection:
         )
         conn = cls(client, host, ip, tls=implicit)
         required = relay_tls != "" or settings.tls == "required"
+        timed = conn.handshake
         try:
+            timed.append(("connect", time.monotonic() - started))
+            started = time.monotonic()
             greeting = await _step(
                 conn, "banner", client.connect(sock=sock, timeout=t.banner, start_tls=False)
             )
             conn.banner = greeting.message
+            if not implicit:  # (else its time is TLS's as much as the server's)
+                timed.append(("banner", time.monotonic() - started))
+            started = time.monotonic()
             await conn._hello(t.ehlo)
+            timed.append(("ehlo", time.monotonic() - started))
             wanted = relay_tls == STARTTLS or (not relay_tls and settings.tls != "off")
             if wanted and use_tls and client.supports_extension("starttls"):
                 await conn._start_tls(t, context or _TLS)

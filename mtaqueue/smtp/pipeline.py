@@ -4,7 +4,8 @@
     await .exchange(message, recipients, content) -> (Exchange, unsent) | Reply
     await .begin(message, recipients, content, t) -> Pending | [Reply]
     await .finish(pending, t, then=None) -> [Reply]
-    .ahead_for(message_id) / .ahead                the transaction written behind the last
+    .ahead                                          the transaction written behind the last
+    .timed() -> [(kind, seconds)]                   replies timed since the last call
     await .quit() / .close()
     .usable  .pipelining  .dsn  .lockstep  .out_of_step
 
@@ -23,6 +24,12 @@ speaks to that host in lock-step (`lockstep`). With DATA the 354 is a reply no o
 command gets, so a reply shifted onto the wrong command always shows before the content
 goes; in a BDAT group every reply may be a 250, and a server that answers one command
 twice and BDAT not at all cannot be told from one in step (no client can).
+
+Replies are timed for the destination's latency (policy/latency.py), each from the write
+that asked for it: a group's first reply ("mail": a round trip and the server's work), each
+lock-step command's, and the reply after the final dot ("dot"), when the content went to
+the kernel in that write (else its size would count). Replies read with another's (a
+group's others, those behind a dot) took no time of their own.
 
 A transaction whose reply after the dot was not read is left to
 the ambiguous-outcome policy; one written behind it whose replies never came was never
@@ -78,6 +85,12 @@ class Pipeline:
         self.lockstep = False  # this host answers pipelined groups out of step (learned)
         self.out_of_step = False  # it just did, on this session
         self.ahead: Ahead | None = None
+        self._timings: list[tuple[str, float]] = []
+
+    def timed(self) -> list[tuple[str, float]]:
+        """(kind, seconds) of the replies timed since the last call."""
+        timings, self._timings = self._timings, []
+        return timings
 
     @property
     def dsn(self) -> bool:
@@ -211,7 +224,12 @@ class Pipeline:
         if self.pipelining:
             if not self._write(b"".join(command for _, command in exchange.steps)):
                 return [network("mail", "lost", "connection lost before MAIL was sent")]
-            return await self._replies(exchange, t)
+            flushed = self.stream.flushed
+            replies = await self._replies(exchange, t)
+            self._time("mail", replies[0])
+            if exchange.chunking and flushed and len(replies) == len(exchange.steps):
+                self._time("dot", replies[-1])  # BDAT LAST's reply: the content's end
+            return replies
         replies: list[Reply] = []
         for phase, command in exchange.steps:
             refused = replies and replies[0].code not in COMPLETES["mail"]
@@ -222,6 +240,7 @@ class Pipeline:
                 replies.append(network(phase, "lost", f"connection lost before {phase}"))
                 break
             replies.append(await self._read(phase, _timeout(phase, t)))
+            self._time("dot" if phase == "data_end" else phase, replies[-1])
             if replies[-1].code in (0, 421):  # the session is over
                 break
         return replies
@@ -245,7 +264,10 @@ class Pipeline:
         2xx is a delivery."""
         if not self._write(body):
             return network("data", "lost", "connection lost before the content was sent")
+        flushed = self.stream.flushed
         reply = await self._read("data_end", t.data_done)
+        if flushed:
+            self._time("dot", reply)
         if reply.code // 100 not in (2, 4, 5):
             self.close()  # a later reply could be taken for this one's
         return reply
@@ -269,6 +291,11 @@ class Pipeline:
         if code == 421:  # the server closes: nothing more is read on this session
             self.close()
         return smtp_reply(phase, code, text)
+
+    def _time(self, kind: str, reply: Reply) -> None:
+        """`reply`, just read, as a sample of `kind` (a network event is none)."""
+        if reply.code:
+            self._timings.append((kind, self.stream.arrived - self.stream.written))
 
     def _out_of_step(self) -> None:
         """Replies came for other commands than ours: the session is closed, and this host

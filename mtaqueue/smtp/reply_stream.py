@@ -4,6 +4,8 @@
     .write(data)                      queue bytes (a pipelined group is one write)
     await .reply(timeout) -> (code, text)   the next reply; raises StreamError
     .buffered -> bool                 bytes or replies have arrived that nobody asked for
+    .written  .flushed  .arrived      when the last write went (all of it handed to the
+                                      kernel?) and when the last reply read had arrived
     .open -> bool / .close()
 
 aiosmtplib connects, greets, says EHLO, STARTTLS and AUTH for us (TLS and its errors are
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 MAX_LINE = 8192
 MAX_REPLY = 4 * MAX_LINE
@@ -40,9 +43,13 @@ class ReplyStream(asyncio.Protocol):
         self._buffer = bytearray()
         self._lines: list[tuple[int, bytes]] = []  # of the reply being read
         self._size = 0
-        self._replies: collections.deque[tuple[int, str]] = collections.deque()
+        self._replies: collections.deque[tuple[int, str, float]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._ended: StreamError | None = None
+        # Monotonic seconds, for timing replies (policy/latency.py).
+        self.written = 0.0
+        self.flushed = True  # the last write went to the kernel whole (not queued here)
+        self.arrived = 0.0
 
     @classmethod
     def take_over(cls, transport: asyncio.Transport) -> ReplyStream:
@@ -58,7 +65,7 @@ class ReplyStream(asyncio.Protocol):
             return
         self._buffer += data
         try:
-            self._parse()
+            self._parse(time.monotonic())
         except StreamError as exc:
             self._end(exc)
             self.close()
@@ -92,6 +99,8 @@ class ReplyStream(asyncio.Protocol):
             raise StreamError("lost", "connection lost before the command was sent")
         assert self._transport is not None
         self._transport.write(data)
+        self.written = time.monotonic()
+        self.flushed = not self._transport.get_write_buffer_size()
 
     async def reply(self, timeout: float) -> tuple[int, str]:
         """The next reply; the replies that came before an end are read first."""
@@ -104,7 +113,8 @@ class ReplyStream(asyncio.Protocol):
             finally:
                 self._waiter = None
         if self._replies:
-            return self._replies.popleft()
+            code, text, self.arrived = self._replies.popleft()
+            return code, text
         assert self._ended is not None
         raise self._ended
 
@@ -114,7 +124,7 @@ class ReplyStream(asyncio.Protocol):
 
     # -- parsing -------------------------------------------------------------------------
 
-    def _parse(self) -> None:
+    def _parse(self, at: float) -> None:
         while True:
             end = self._buffer.find(b"\n")
             if end < 0:
@@ -139,7 +149,8 @@ class ReplyStream(asyncio.Protocol):
             self._lines.append((code, text[4:].strip(b" \t")))
             if sep != b"-":
                 message = b"\n".join(part for _, part in self._lines)
-                self._replies.append((code, message.decode("utf-8", "surrogateescape")))
+                text = message.decode("utf-8", "surrogateescape")
+                self._replies.append((code, text, at))
                 self._lines, self._size = [], 0
 
     def _end(self, error: StreamError) -> None:

@@ -1,0 +1,198 @@
+"""Reply latency of one destination, and whether it is slowing us down (sans-IO).
+
+    ReplyLatency(factor, saved=None, at=0.0)
+    .sample(now, kind, seconds, lag=0.0) -> Round | None   a timed reply; a round once judged
+    .restart(now)                 the sender changed its pace: rounds count from here
+    .baseline(kind, now) -> float | None   .rtt(now) -> float | None   .last   .saved(now)
+    KINDS  ROUND_TRIPS
+    Round(start, samples, slow, ratio, kind)    .verdict: SLOW, CALM or MIXED
+    OwnLoad(): .lag(now, seconds)  .lagging(now)  .reported(now, key, verdict)  .ours(now)
+
+Seed 003's silent throttling: a receiver that never refuses but answers more slowly the
+harder it is pushed. Every reply we time is a sample of its kind (KINDS): the TCP connect,
+the banner, EHLO, the first reply to a group of MAIL..DATA (a round trip; in lock-step,
+MAIL's), lock-step RCPT and DATA, and the reply after the final dot, timed from the dot so
+that the size of the message does not count. Each kind has its own baseline: its minimum
+over the last WINDOW (as BBR keeps its minimum round trip). Slowing cannot raise a minimum,
+and a host that is slow at every load (a steady 1 s after the dot) has a 1 s baseline: it
+is slow, not throttling. A sample is slow when it is over `factor` times its baseline and
+FLOOR over it (on loopback a loaded machine's jitter triples a 0.3 ms reply).
+
+Samples are judged in rounds of ROUND, counting only those that started after the round
+did: a reply in flight when the sender changed its pace (`restart`) says nothing of the
+new pace. A round is SLOW when SLOW_SHARE of its samples or more are slow (a site that
+stretches only the reply after the dot slows half of them), CALM when none is, else MIXED.
+
+Our own load is not the destination's (`OwnLoad`): the driver reports how late its event
+loop runs, and a sample is judged without the loop's lag of the last LAG_WINDOW (a reply
+read late was not sent late). A slow round is ours, not the destination's, while the loop
+lags FLOOR or more, or when most of the destinations that closed a round in the last
+CROWD_WINDOW (at least CROWD of them) slowed alike: this machine, its network or its DNS.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+
+KINDS = ("connect", "banner", "ehlo", "mail", "rcpt", "data", "dot")
+# A command's reply is a round trip and little work; a connect says nothing of a path
+# behind a proxy, a banner may wait for the server's DNS, the dot for its filters.
+ROUND_TRIPS = ("ehlo", "mail", "rcpt", "data")
+WINDOW = 600.0  # seconds a minimum is kept: longer than a cut takes to show
+_BUCKETS = 5  # the window's minimum is kept in this many slices (constant memory)
+FLOOR = 0.1  # seconds over the baseline before a sample can be slow
+ROUND = 8  # samples judged together
+SLOW_SHARE = 0.25  # of a round's samples slow: the round is slow
+LAG_WINDOW = 2.0  # seconds of the loop's lag a sample is judged without
+CROWD = 3  # destinations that closed a round, at least, before the crowd says anything
+CROWD_SHARE = 2 / 3  # of them slow at once: it is us
+CROWD_WINDOW = 60.0
+
+SLOW = "slow"
+CALM = "calm"
+MIXED = "mixed"
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """ROUND samples judged together."""
+
+    start: float  # rounds count samples that started from here
+    samples: int
+    slow: int
+    ratio: float  # the median of sample / baseline
+    kind: str  # the kind slow most often ("" when none was)
+
+    @property
+    def verdict(self) -> str:
+        if self.slow >= SLOW_SHARE * self.samples:
+            return SLOW
+        return CALM if self.slow == 0 else MIXED
+
+
+class _WindowedMin:
+    """The minimum of the values added over the last WINDOW: one per slice of it."""
+
+    __slots__ = ("_slices",)
+
+    def __init__(self) -> None:
+        self._slices: deque[list[float]] = deque()  # [start, minimum], oldest first
+
+    def add(self, now: float, value: float) -> None:
+        if self._slices and now - self._slices[-1][0] < WINDOW / _BUCKETS:
+            last = self._slices[-1]
+            last[1] = min(last[1], value)
+        else:
+            self._slices.append([now, value])
+        self._expire(now)
+
+    def value(self, now: float) -> float | None:
+        self._expire(now)
+        return min(value for _, value in self._slices) if self._slices else None
+
+    def _expire(self, now: float) -> None:
+        while self._slices and self._slices[0][0] <= now - WINDOW:
+            self._slices.popleft()
+
+
+class ReplyLatency:
+    def __init__(self, factor: float, saved: dict[str, float] | None = None, at: float = 0.0):
+        """`saved`: baselines by kind, as `saved()` gave them at `at` (a restart)."""
+        self.factor = factor
+        self._minimum = {kind: _WindowedMin() for kind in KINDS}
+        for kind, seconds in (saved or {}).items():
+            if kind in self._minimum:
+                self._minimum[kind].add(at, seconds)
+        self.last: Round | None = None  # the last round judged
+        self._round_trips = 0  # samples of ROUND_TRIPS kinds, up to 2
+        self._start = -math.inf  # the round counts samples that started from here
+        self._ratios: list[float] = []
+        self._slow: Counter[str] = Counter()
+
+    def sample(self, now: float, kind: str, seconds: float, lag: float = 0.0) -> Round | None:
+        """A reply of `kind` that took `seconds` (read at `now`, while the loop lagged up to
+        `lag`); the round, when this sample closes one."""
+        seconds = max(0.0, seconds - lag)
+        window = self._minimum[kind]
+        base = window.value(now)
+        if kind in ROUND_TRIPS:
+            self._round_trips = min(self._round_trips + 1, 2)
+        window.add(now, seconds)
+        if base is None or now - seconds < self._start:
+            return None  # the first of its kind, or sent before the pace changed
+        self._ratios.append(seconds / max(base, 1e-4))
+        if seconds > self.factor * base and seconds > base + FLOOR:
+            self._slow[kind] += 1
+        if len(self._ratios) < ROUND:
+            return None
+        ratios = sorted(self._ratios)
+        slowest = self._slow.most_common(1)
+        self.last = Round(
+            self._start,
+            len(ratios),
+            sum(self._slow.values()),
+            ratios[len(ratios) // 2],
+            slowest[0][0] if slowest else "",
+        )
+        self.restart(now)
+        return self.last
+
+    def restart(self, now: float) -> None:
+        """The pace changed at `now`: the next round counts only what started since."""
+        self._start = now
+        self._ratios.clear()
+        self._slow.clear()
+
+    def baseline(self, kind: str, now: float) -> float | None:
+        return self._minimum[kind].value(now)
+
+    def rtt(self, now: float) -> float | None:
+        """The path's round trip: the least baseline of the commands' replies, once two
+        were timed (one sample, from a loaded moment, decides nothing)."""
+        known = [self.baseline(kind, now) for kind in ROUND_TRIPS]
+        trips = [b for b in known if b is not None]
+        return min(trips) if trips and self._round_trips >= 2 else None
+
+    def saved(self, now: float) -> dict[str, float]:
+        """The baselines, to carry across a restart."""
+        baselines = {kind: self.baseline(kind, now) for kind in KINDS}
+        return {kind: round(b, 6) for kind, b in baselines.items() if b is not None}
+
+
+class OwnLoad:
+    """What slows every destination at once: our event loop, or all of them together."""
+
+    def __init__(self) -> None:
+        self._lags: deque[tuple[float, float]] = deque()  # (at, seconds late)
+        self._rounds: dict[str, tuple[float, bool]] = {}  # destination -> (at, slow)
+
+    def lag(self, now: float, seconds: float) -> None:
+        """The event loop ran `seconds` late at `now` (the driver's watch)."""
+        while self._lags and self._lags[-1][1] <= seconds:
+            self._lags.pop()  # (a later, larger lag outlives them: a max queue)
+        self._lags.append((now, seconds))
+
+    def lagging(self, now: float) -> float:
+        """The loop's largest lag over the last LAG_WINDOW."""
+        while self._lags and self._lags[0][0] < now - LAG_WINDOW:
+            self._lags.popleft()
+        return self._lags[0][1] if self._lags else 0.0
+
+    def reported(self, now: float, key: str, verdict: str) -> None:
+        """Destination `key` closed a round at `now`."""
+        self._rounds.pop(key, None)  # (kept in time order: the oldest first)
+        self._rounds[key] = (now, verdict == SLOW)
+        while self._rounds:
+            oldest = next(iter(self._rounds))
+            if self._rounds[oldest][0] >= now - CROWD_WINDOW:
+                break
+            del self._rounds[oldest]
+
+    def ours(self, now: float) -> bool:
+        """Whether slowness now is ours: the loop lags, or the crowd slowed."""
+        if self.lagging(now) >= FLOOR:
+            return True
+        recent = [slow for at, slow in self._rounds.values() if at >= now - CROWD_WINDOW]
+        return len(recent) >= CROWD and sum(recent) >= CROWD_SHARE * len(recent)

@@ -1,0 +1,118 @@
+"""Silent throttling of one destination: what its reply latency does to the pace.
+
+    Slowdown(factor, learned, now)
+    .timed(now, samples, lag) -> Round | None      replies timed; a round once one closes
+    .react(now, closed, ours, concurrency, learner) -> bool   whether it cut
+    .stepped_up(now, old)       the concurrency grew a step (news while it recovers)
+    .changes() -> [Slowed]      cuts and steps back up since the last call (the log)
+    .view(now, concurrency) -> dict    .saved(now)    .latency    .slowed
+
+A round of reply latency (policy/latency.py) that is slow, and not ours (`ours`: our event
+loop lags, or every destination slowed at once), is the destination saying "slower"
+without an error. The concurrency halves, or steps back one if the step up since the
+round before is what slowed the site (its knee, policy/concurrency.py); the rate takes a
+throttle signal as for a 421 (a cool-down, and BETA times what the site took: the learned
+rate's own knee, policy/rate_learner.py). While replies stay slow, each new round cuts
+again. Concurrency grows back only after a calm round, one step at a time; each step
+until it is back where the cut found it is news, as the cut is. `slowed` keeps the last
+cut for people: when, how slow (the round's median over the baseline, of the kind slow
+most often), and the limit before and after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .concurrency import AdaptiveConcurrency
+from .latency import CALM, SLOW, ReplyLatency, Round
+from .rate_learner import Learned, RateLearner
+
+
+@dataclass(frozen=True, slots=True)
+class Slowed:
+    """A cut for latency (`new` < `old`), or a step back up after one."""
+
+    at: float
+    ratio: float  # the round's median over the baseline
+    kind: str  # the reply kind slow most often ("" for a step up)
+    old: int
+    new: int
+
+
+class Slowdown:
+    def __init__(self, factor: float, learned: Learned | None, now: float) -> None:
+        self.latency = ReplyLatency(
+            factor,
+            learned.latency if learned is not None else None,
+            learned.at if learned is not None else now,
+        )
+        self.slowed: Slowed | None = None
+        self._changes: list[Slowed] = []
+
+    def timed(self, now: float, samples: Iterable[tuple[str, float]], lag: float) -> Round | None:
+        """Replies timed, as (kind, seconds), read while the event loop lagged up to `lag`:
+        the last round they closed, if any."""
+        closed = None
+        for kind, seconds in samples:
+            closed = self.latency.sample(now, kind, seconds, lag) or closed
+        return closed
+
+    def react(
+        self,
+        now: float,
+        closed: Round,
+        ours: bool,
+        concurrency: AdaptiveConcurrency,
+        learner: RateLearner,
+    ) -> bool:
+        """A round closed: growth follows a calm one; a slow one that is not `ours` cuts
+        the concurrency and the rate. Whether it cut."""
+        concurrency.steady(closed.verdict == CALM)
+        if closed.verdict != SLOW or ours:
+            return False
+        old = concurrency.limit
+        if concurrency.raised_at >= closed.start:  # the step up since the round before
+            concurrency.step_back(now)
+        else:
+            concurrency.throttled()
+        learner.throttled(now, f"latency {closed.ratio:.1f}x the {closed.kind} reply's baseline")
+        self.slowed = Slowed(now, closed.ratio, closed.kind, old, concurrency.limit)
+        self._changes.append(self.slowed)
+        self.latency.restart(now)  # replies in flight were sent at the old pace
+        return True
+
+    def stepped_up(self, now: float, old: int) -> None:
+        """The concurrency grew from `old`: the next round judges the new level."""
+        self.latency.restart(now)
+        slowed, last = self.slowed, self.latency.last
+        if slowed is not None and old < slowed.old:
+            ratio = last.ratio if last is not None else 1.0
+            self._changes.append(Slowed(now, ratio, "", old, old + 1))
+
+    def changes(self) -> list[Slowed]:
+        changes, self._changes = self._changes, []
+        return changes
+
+    def saved(self, now: float) -> dict[str, float]:
+        return self.latency.saved(now)
+
+    def view(self, now: float, concurrency: AdaptiveConcurrency) -> dict:
+        """For `mtaqueue-ctl domains`: baselines by kind (seconds), the last round's level
+        (its median over the baseline) and verdict, the knee, the last cut."""
+        last, slowed = self.latency.last, self.slowed
+        return {
+            "baseline": self.latency.saved(now),
+            "level": last.ratio if last is not None else None,
+            "verdict": last.verdict if last is not None else None,
+            "knee": concurrency.knee or None,
+            "slowed": None
+            if slowed is None
+            else {
+                "at": slowed.at,
+                "ratio": slowed.ratio,
+                "kind": slowed.kind,
+                "from": slowed.old,
+                "to": slowed.new,
+            },
+        }
