@@ -325,6 +325,10 @@ class Metrics:
             "mtaqueue_destination_rate_limit_messages_per_second",
             "Message rate limit in force, backoff included; 0 = none (top destinations)",
         )
+        slowed = _per_destination(
+            "mtaqueue_destination_latency_ratio",
+            "The last reply-latency round's median over its baseline (top destinations)",
+        )
         stage = _per_destination(
             "mtaqueue_destination_backoff_stage",
             "Backoff mode stage, 0 = normal (top destinations)",
@@ -350,6 +354,8 @@ class Metrics:
             if name != OTHER:
                 rate.add_metric((name,), d["messages_per_minute"] / 60)
                 stage.add_metric((name,), d["stage"])
+                if last := d.get("latency", {}).get("last"):
+                    slowed.add_metric((name,), last["ratio"])
                 for state in CIRCUIT_STATES:
                     circuit.add_metric((name, state), float(d["circuit"] == state))
         for name in sorted(active):
@@ -357,7 +363,7 @@ class Metrics:
             limit.add_metric((name,), limits[name])
         for labels, n in sorted(states.items()):
             count.add_metric(labels, n)
-        yield from (connections, limit, rate, stage, circuit, count)
+        yield from (connections, limit, rate, slowed, stage, circuit, count)
 
     async def refresh(self) -> None:
         """Walk the queue again; scrapes and snapshots read the last walk. At a million

@@ -37,13 +37,18 @@ def transactions(rng: random.Random, count: int, mail, dot, gap: float = 0.5):
     return series
 
 
-def verdicts(series, lag: float = 0.0) -> list[str]:
+def verdicts(series, lag: float = 0.0) -> list[tuple[str, str]]:
+    """(kind, verdict) of each round, in order."""
     latency = ReplyLatency(FACTOR)
     return [
-        closed.verdict
+        (closed.kind, closed.verdict)
         for now, kind, seconds in series
         if (closed := latency.sample(now, kind, seconds, lag)) is not None
     ]
+
+
+def of(kind: str, found: list[tuple[str, str]]) -> list[str]:
+    return [verdict for k, verdict in found if k == kind]
 
 
 def jitter(base: float, spread: float):
@@ -55,32 +60,36 @@ SERIES = {
     "loopback, a loaded machine's jitter": (
         jitter(0.0002, 4.0),
         jitter(0.0005, 6.0),
-        lambda v: SLOW not in v,
+        lambda v: SLOW not in dict(v).values() and SLOW not in of("dot", v),
     ),
     "a 50 ms path with 40 ms of jitter": (
         jitter(0.05, 0.8),
         jitter(0.08, 0.8),
-        lambda v: SLOW not in v,
+        lambda v: all(verdict != SLOW for _, verdict in v),
     ),
     "slow at any load: 1 s after every dot": (
         jitter(0.001, 0.5),
         jitter(1.0, 0.2),
-        lambda v: set(v) == {CALM},
+        lambda v: {verdict for _, verdict in v} == {CALM},
     ),
     "the dot's reply ten times slower from the 20th message": (
         jitter(0.001, 0.5),
         lambda i, rng: 0.2 if i < 20 else 2.0,
-        lambda v: v[:2] == [CALM, CALM] and v[-1] == SLOW and v.count(SLOW) >= 5,
+        lambda v: (
+            of("dot", v)[:4] == [CALM] * 4
+            and of("dot", v)[6:] == [SLOW] * len(of("dot", v)[6:])
+            and set(of("mail", v)) == {CALM}
+        ),
     ),
     "slowing little by little: +5% a message": (
         jitter(0.001, 0.2),
         lambda i, rng: 0.2 * 1.05**i,
-        lambda v: SLOW in v and v[0] == CALM,
+        lambda v: of("dot", v)[0] == CALM and of("dot", v)[-1] == SLOW,
     ),
     "every fifth reply a spike": (
         jitter(0.01, 0.2),
         lambda i, rng: 0.5 if i % 5 == 4 else 0.01,
-        lambda v: SLOW not in v and MIXED in v,
+        lambda v: SLOW not in of("dot", v) and MIXED in of("dot", v),
     ),
 }
 
@@ -89,22 +98,49 @@ SERIES = {
 def test_series(name):
     mail, dot, holds = SERIES[name]
     found = verdicts(transactions(random.Random(7), 60, mail, dot))
-    assert len(found) >= 60 * 2 // ROUND - 1, found
+    assert len(found) == 2 * ((60 - 1) // ROUND), found
     assert holds(found), found
 
 
-def test_a_slow_round_names_the_slow_kind_and_how_much():
+def test_a_round_is_one_kinds_and_says_how_much():
+    latency = ReplyLatency(FACTOR)
+    latency.sample(0.0, "dot", 0.1)
+    closed = []
+    for i in range(ROUND):  # four RCPTs a message: they do not drown the dot's
+        closed += [latency.sample(10.0 + i, "rcpt", 0.01) for _ in range(4)]
+        closed.append(latency.sample(10.0 + i, "dot", 1.5 if i % 2 else 0.1))
+    rounds = [r for r in closed if r is not None]
+    assert [r.kind for r in rounds] == ["rcpt"] * 3 + ["dot"]  # (the first rcpt: a seed)
+    dot = rounds[-1]
+    assert (dot.verdict, dot.slow, dot.samples) == (SLOW, ROUND // 2, ROUND)
+    assert dot.ratio == pytest.approx(15.0)  # the median: half at 1x, half at 15x
+    assert latency.last is dot
+    assert not latency.calm
+
+
+def test_calm_once_every_kinds_last_round_was_the_dots_included():
     latency = ReplyLatency(FACTOR)
     latency.sample(0.0, "mail", 0.01)
+    assert latency.calm  # no dot timed yet: nothing to wait for
     latency.sample(0.0, "dot", 0.1)
-    closed = None
-    for i in range(ROUND // 2):
-        latency.sample(10.0 + i, "mail", 0.01)
-        closed = latency.sample(10.0 + i, "dot", 1.5) or closed
-    assert closed is not None and closed.verdict == SLOW
-    assert (closed.kind, closed.slow, closed.samples) == ("dot", ROUND // 2, ROUND)
-    assert closed.ratio == pytest.approx(15.0)  # the median: half at 1x, half at 15x
-    assert latency.last is closed
+    assert not latency.calm  # the dot's round is what a new pace waits for
+    for i in range(ROUND):
+        latency.sample(1.0 + i, "mail", 0.01)
+    assert latency.last.verdict == CALM and not latency.calm  # the MAILs came sooner
+    for i in range(ROUND):
+        latency.sample(10.0 + i, "dot", 0.1)
+    assert latency.calm
+    for i in range(ROUND):
+        latency.sample(20.0 + i, "dot", 0.1 if i else 0.5)  # one slow of four: mixed
+    assert latency.last.verdict == MIXED and not latency.calm
+    for i in range(ROUND):
+        latency.sample(30.0 + i, "mail", 0.01)
+    assert not latency.calm  # the dot's last round still stands
+    latency.restart(40.0)
+    assert not latency.calm
+    for i in range(ROUND):
+        latency.sample(41.0 + i, "dot", 0.1)
+    assert latency.calm
 
 
 def test_replies_sent_before_the_pace_changed_are_not_judged():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mtaqueue.config import DestinationRule, Pacing, ShapingConfig, ThrottleRule
+from mtaqueue.policy import rate_learner
 from mtaqueue.policy.classify import classify
 from mtaqueue.policy.pacing_rules import NAMED_HOP_RATE, pacing_for, stated_rate
 from mtaqueue.policy.rate_learner import BETA
@@ -449,25 +450,26 @@ def test_a_greylisted_wave_grows_the_learned_rate():
     assert shaper.concurrency.limit == 2  # not a delivery for the concurrency
 
 
-def test_silent_throttling_cuts_concurrency_and_rate():
+def slow_round(shaper: DestinationShaper, now: float, dot: float) -> float:
+    """MAIL groups at their baseline, replies after the dot taking `dot` seconds, until a
+    round of the dot's closes and is reacted to (not ours): the time then."""
+    while True:
+        now += dot + 0.5
+        closed = shaper.timed(now, [("mail", 0.2), ("dot", dot)], 0.0)
+        if closed is not None and closed.kind == "dot":
+            shaper.react(now, closed, ours=False)
+            return now
+
+
+def test_silent_throttling_cuts_sessions_first_then_the_rate():
     shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=8))
-    now = 0.0
-    for _ in range(5):  # calm: the first of each kind, and a round near the baseline
-        now += 0.1
-        shaper.timed(now, [("mail", 0.2), ("dot", 0.2)], 0.0)
-    closed = None
-    for _ in range(4):  # the reply after the dot ten times slower
-        now += 3.0
-        closed = shaper.timed(now, [("mail", 0.2), ("dot", 2.0)], 0.0) or closed
-    assert closed is not None and closed.verdict == "slow" and closed.kind == "dot"
-    shaper.react(now, closed, ours=False)
+    now = slow_round(shaper, 0.0, 0.2)  # the baselines: 0.2 s
+    assert shaper.concurrency.limit == 8
+    now = slow_round(shaper, now, 2.0)  # the reply after the dot ten times slower
     assert shaper.concurrency.limit == 4
     snap = shaper.snapshot(now)
     assert snap["mode"] == "normal"  # a cut, not backoff mode
-    # ... and a throttle signal for the learned rate: a pause and a cut.
-    assert snap["learned"]["phase"] == "paused"
-    assert snap["learned"]["rate_reply"] == "latency 10.0x the dot reply's baseline"
-    assert snap["messages_per_minute"] < 120
+    assert snap["learned"]["phase"] != "paused"  # sessions first: the rate stands
     assert snap["latency"]["slowed"] == {
         "at": now,
         "ratio": 10.0,
@@ -475,7 +477,15 @@ def test_silent_throttling_cuts_concurrency_and_rate():
         "from": 8,
         "to": 4,
     }
-    assert [(c.old, c.new) for c in shaper.latency_changes()] == [(8, 4)]
+    assert snap["latency"]["last"] == {"kind": "dot", "ratio": 10.0, "verdict": "slow"}
+    for limit in (2, 1):  # slow again each round: cut again
+        now = slow_round(shaper, now, 2.0)
+        assert shaper.concurrency.limit == limit
+    now = slow_round(shaper, now, 2.0)  # at one connection still slow: the rate it is
+    snap = shaper.snapshot(now)
+    assert snap["learned"]["phase"] == "paused"
+    assert snap["learned"]["rate_reply"] == "latency 10.0x the dot reply's baseline"
+    assert [(c.old, c.new) for c in shaper.latency_changes()] == [(8, 4), (4, 2), (2, 1), (1, 1)]
 
 
 def test_slowness_of_our_own_cuts_nothing():
@@ -773,3 +783,19 @@ def test_failed_authentication_follows_the_message_and_pauses_nothing():
     snap = shaper.snapshot(10.0)
     assert (snap["circuit"], snap["blocked_by"]) == ("closed", None)
     assert shaper.connect_wait(10.0, 0, 0, False) == 0
+
+
+def test_the_knee_and_the_baselines_outlive_a_restart():
+    shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=3))
+    now = slow_round(shaper, 0.0, 0.2)  # calm at 3: the first step up is free
+    while shaper.concurrency.limit < 4:
+        report(shaper, now, DELIVERED)
+    now = slow_round(shaper, now, 2.0)  # 4 slowed it: back to 3, its knee
+    assert (shaper.concurrency.limit, shaper.concurrency.knee) == (3, 3)
+    saved = rate_learner.encode({"d": shaper.learned(now)})
+    learned = rate_learner.decode(saved)[0]["d"]
+    assert learned.sessions == 3 and learned.latency["dot"] == 0.2
+    again = DestinationShaper(shaper.pacing, SHAPING, now + 60, learned)
+    assert again.concurrency.knee == 3
+    assert again.slowdown.latency.baseline("dot", now + 60) == 0.2
+    assert again.snapshot(now + 60)["latency"]["knee"] == 3

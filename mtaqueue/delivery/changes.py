@@ -92,9 +92,10 @@ def learned_changes(destination: Destination, now: float) -> None:
             probing=shaper.probing(now),
         )
     for step in shaper.latency_changes():
-        # A cut for silent throttling, or a step back up after one (docs/runbooks.md).
-        (log.warning if step.new < step.old else log.info)(
-            "latency_slowed" if step.new < step.old else "latency_recovered",
+        # A cut for silent throttling (of the rate alone at one connection: `new` = `old`,
+        # a limit_learned beside it), or a step back up after one (docs/runbooks.md).
+        (log.warning if step.kind else log.info)(
+            "latency_slowed" if step.kind else "latency_recovered",
             destination=destination.key,
             old=step.old,
             new=step.new,

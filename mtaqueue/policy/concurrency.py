@@ -20,8 +20,6 @@ each time the same knee is found. A calm round above the knee forgets it.
 
 from __future__ import annotations
 
-import math
-
 HOLD = 120.0  # seconds at the knee before the next probe up
 HOLD_MAX = 1800.0
 
@@ -35,7 +33,7 @@ class AdaptiveConcurrency:
         self.maximum = maximum
         self.limit = min(max(1, initial), maximum)
         self.knee = knee
-        self.raised_at = -math.inf  # when the limit last grew
+        self.raised_at: float | None = None  # when the limit last grew
         self._held_until = now + HOLD if knee else 0.0
         self._hold = HOLD
         self._successes = 0  # at the current limit

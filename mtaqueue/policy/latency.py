@@ -3,8 +3,8 @@
     ReplyLatency(factor, saved=None, at=0.0)
     .sample(now, kind, seconds, lag=0.0) -> Round | None   a timed reply; a round once judged
     .restart(now)                 the sender changed its pace: rounds count from here
-    .baseline(kind, now) -> float | None   .rtt(now) -> float | None   .last   .saved(now)
-    KINDS  ROUND_TRIPS
+    .baseline(kind, now) -> float | None   .rtt(now) -> float | None   .saved(now)
+    .last  .calm    KINDS  ROUND_TRIPS
     Round(start, samples, slow, ratio, kind)    .verdict: SLOW, CALM or MIXED
     OwnLoad(): .lag(now, seconds)  .lagging(now)  .reported(now, key, verdict)  .ours(now)
 
@@ -18,10 +18,13 @@ and a host that is slow at every load (a steady 1 s after the dot) has a 1 s bas
 is slow, not throttling. A sample is slow when it is over `factor` times its baseline and
 FLOOR over it (on loopback a loaded machine's jitter triples a 0.3 ms reply).
 
-Samples are judged in rounds of ROUND, counting only those that started after the round
-did: a reply in flight when the sender changed its pace (`restart`) says nothing of the
-new pace. A round is SLOW when SLOW_SHARE of its samples or more are slow (a site that
-stretches only the reply after the dot slows half of them), CALM when none is, else MIXED.
+Each kind is judged in rounds of ROUND samples of it, counting only those that started
+after the pace last changed (`restart`): a reply in flight then says nothing of the new
+pace. A round is SLOW when SLOW_SHARE of its samples or more are slow, CALM when none is,
+else MIXED; per kind, so that a site which stretches only the reply after the dot is heard
+however many RCPTs or connections come between (and one slow reply in a round is not a
+slowdown). The latency is `calm` while every kind's last round since the pace changed was,
+the dot's included.
 
 Our own load is not the destination's (`OwnLoad`): the driver reports how late its event
 loop runs, and a sample is judged without the loop's lag of the last LAG_WINDOW (a reply
@@ -43,8 +46,8 @@ ROUND_TRIPS = ("ehlo", "mail", "rcpt", "data")
 WINDOW = 600.0  # seconds a minimum is kept: longer than a cut takes to show
 _BUCKETS = 5  # the window's minimum is kept in this many slices (constant memory)
 FLOOR = 0.1  # seconds over the baseline before a sample can be slow
-ROUND = 8  # samples judged together
-SLOW_SHARE = 0.25  # of a round's samples slow: the round is slow
+ROUND = 4  # samples of one kind judged together
+SLOW_SHARE = 0.5  # of a round's samples slow: the round is slow
 LAG_WINDOW = 2.0  # seconds of the loop's lag a sample is judged without
 CROWD = 3  # destinations that closed a round, at least, before the crowd says anything
 CROWD_SHARE = 2 / 3  # of them slow at once: it is us
@@ -57,13 +60,13 @@ MIXED = "mixed"
 
 @dataclass(frozen=True, slots=True)
 class Round:
-    """ROUND samples judged together."""
+    """ROUND samples of one kind judged together."""
 
     start: float  # rounds count samples that started from here
+    kind: str
     samples: int
     slow: int
     ratio: float  # the median of sample / baseline
-    kind: str  # the kind slow most often ("" when none was)
 
     @property
     def verdict(self) -> str:
@@ -107,43 +110,50 @@ class ReplyLatency:
                 self._minimum[kind].add(at, seconds)
         self.last: Round | None = None  # the last round judged
         self._round_trips = 0  # samples of ROUND_TRIPS kinds, up to 2
-        self._start = -math.inf  # the round counts samples that started from here
-        self._ratios: list[float] = []
+        self._start = -math.inf  # rounds count samples that started from here
+        self._ratios: dict[str, list[float]] = {}  # by kind, of its round so far
         self._slow: Counter[str] = Counter()
+        self._verdicts: dict[str, str] = {}  # each kind's last round since the start
 
     def sample(self, now: float, kind: str, seconds: float, lag: float = 0.0) -> Round | None:
         """A reply of `kind` that took `seconds` (read at `now`, while the loop lagged up to
         `lag`); the round, when this sample closes one."""
-        seconds = max(0.0, seconds - lag)
         window = self._minimum[kind]
         base = window.value(now)
         if kind in ROUND_TRIPS:
             self._round_trips = min(self._round_trips + 1, 2)
-        window.add(now, seconds)
+        window.add(now, seconds)  # (as measured: the fastest is one the loop did not delay)
         if base is None or now - seconds < self._start:
             return None  # the first of its kind, or sent before the pace changed
-        self._ratios.append(seconds / max(base, 1e-4))
-        if seconds > self.factor * base and seconds > base + FLOOR:
+        judged = max(0.0, seconds - lag)
+        ratios = self._ratios.setdefault(kind, [])
+        ratios.append(judged / max(base, 1e-4))
+        if judged > self.factor * base and judged > base + FLOOR:
             self._slow[kind] += 1
-        if len(self._ratios) < ROUND:
+        if len(ratios) < ROUND:
             return None
-        ratios = sorted(self._ratios)
-        slowest = self._slow.most_common(1)
-        self.last = Round(
-            self._start,
-            len(ratios),
-            sum(self._slow.values()),
-            ratios[len(ratios) // 2],
-            slowest[0][0] if slowest else "",
-        )
-        self.restart(now)
-        return self.last
+        del self._ratios[kind]
+        ratios.sort()
+        closed = Round(self._start, kind, len(ratios), self._slow.pop(kind, 0), ratios[ROUND // 2])
+        self._verdicts[kind] = closed.verdict
+        self.last = closed
+        return closed
+
+    @property
+    def calm(self) -> bool:
+        """Every kind's last round since the pace changed was calm, the dot's among them
+        once it has a baseline (every delivery times one, and it is the reply a site slows
+        most; the others come sooner and would speak for a pace not judged yet)."""
+        if "dot" not in self._verdicts and self._minimum["dot"].value(self._start) is not None:
+            return False
+        return all(verdict == CALM for verdict in self._verdicts.values())
 
     def restart(self, now: float) -> None:
         """The pace changed at `now`: the next round counts only what started since."""
         self._start = now
         self._ratios.clear()
         self._slow.clear()
+        self._verdicts.clear()
 
     def baseline(self, kind: str, now: float) -> float | None:
         return self._minimum[kind].value(now)

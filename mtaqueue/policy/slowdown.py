@@ -7,13 +7,17 @@
     .changes() -> [Slowed]      cuts and steps back up since the last call (the log)
     .view(now, concurrency) -> dict    .saved(now)    .latency    .slowed
 
-A round of reply latency (policy/latency.py) that is slow, and not ours (`ours`: our event
+A round of one kind of reply (policy/latency.py) that is slow, and not ours (`ours`: our event
 loop lags, or every destination slowed at once), is the destination saying "slower"
 without an error. The concurrency halves, or steps back one if the step up since the
-round before is what slowed the site (its knee, policy/concurrency.py); the rate takes a
-throttle signal as for a 421 (a cool-down, and BETA times what the site took: the learned
-rate's own knee, policy/rate_learner.py). While replies stay slow, each new round cuts
-again. Concurrency grows back only after a calm round, one step at a time; each step
+round before is what slowed the site (its knee, policy/concurrency.py). Sessions first:
+what a slowed site accepts is bound by its slow replies, and a rate learned from it would
+hold the pace down long after the replies are fast again (bench/RESULTS.md). At one
+connection still slowed, the site minds the rate: that takes a throttle signal as for a
+421 (a cool-down, and BETA times what it took, which at one connection is what it allows;
+the learned rate's own knee, policy/rate_learner.py). While replies stay slow, each new
+round cuts again. Concurrency grows back only while every kind's last round was calm, one step a
+round; each step
 until it is back where the cut found it is news, as the cut is. `slowed` keeps the last
 cut for people: when, how slow (the round's median over the baseline, of the kind slow
 most often), and the limit before and after.
@@ -25,13 +29,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .concurrency import AdaptiveConcurrency
-from .latency import CALM, SLOW, ReplyLatency, Round
+from .latency import SLOW, ReplyLatency, Round
 from .rate_learner import Learned, RateLearner
 
 
 @dataclass(frozen=True, slots=True)
 class Slowed:
-    """A cut for latency (`new` < `old`), or a step back up after one."""
+    """A cut for latency (`kind` says which reply slowed; `new` = `old` = 1 when the cut
+    was the rate's), or a step back up after one (no `kind`)."""
 
     at: float
     ratio: float  # the round's median over the baseline
@@ -68,15 +73,19 @@ class Slowdown:
     ) -> bool:
         """A round closed: growth follows a calm one; a slow one that is not `ours` cuts
         the concurrency and the rate. Whether it cut."""
-        concurrency.steady(closed.verdict == CALM)
+        concurrency.steady(self.latency.calm)
         if closed.verdict != SLOW or ours:
             return False
         old = concurrency.limit
-        if concurrency.raised_at >= closed.start:  # the step up since the round before
+        raised = concurrency.raised_at
+        if old == 1:  # its sessions are not what it minds: the rate is
+            learner.throttled(
+                now, f"latency {closed.ratio:.1f}x the {closed.kind} reply's baseline"
+            )
+        elif raised is not None and closed.start <= raised:  # (a step up restarts rounds)
             concurrency.step_back(now)
         else:
             concurrency.throttled()
-        learner.throttled(now, f"latency {closed.ratio:.1f}x the {closed.kind} reply's baseline")
         self.slowed = Slowed(now, closed.ratio, closed.kind, old, concurrency.limit)
         self._changes.append(self.slowed)
         self.latency.restart(now)  # replies in flight were sent at the old pace
@@ -98,13 +107,14 @@ class Slowdown:
         return self.latency.saved(now)
 
     def view(self, now: float, concurrency: AdaptiveConcurrency) -> dict:
-        """For `mtaqueue-ctl domains`: baselines by kind (seconds), the last round's level
-        (its median over the baseline) and verdict, the knee, the last cut."""
+        """For `mtaqueue-ctl domains`: baselines by kind (seconds), the last round (its
+        kind, median over the baseline and verdict), the knee, the last cut."""
         last, slowed = self.latency.last, self.slowed
         return {
             "baseline": self.latency.saved(now),
-            "level": last.ratio if last is not None else None,
-            "verdict": last.verdict if last is not None else None,
+            "last": None
+            if last is None
+            else {"kind": last.kind, "ratio": last.ratio, "verdict": last.verdict},
             "knee": concurrency.knee or None,
             "slowed": None
             if slowed is None

@@ -215,6 +215,8 @@ def show_domains(reply: Reply, out: TextIO) -> None:
                 f"  rates       {_per_minute(d.get('messages_per_minute', 0))} messages,"
                 f" {_per_minute(d.get('connections_per_minute', 0))} connections\n"
             )
+            if latency := d.get("latency"):
+                _show_latency(latency, out)
             if override := d.get("override"):
                 limits = []
                 if override.get("rate_per_minute") is not None:
@@ -238,6 +240,24 @@ def show_domains(reply: Reply, out: TextIO) -> None:
             out.write(f"  4xx rate    {d.get('deferral_rate') or 0:.0%} (last 10 minutes)\n")
         for line in d.get("last_replies", []):
             out.write(f"  last        {line}\n")
+
+
+def _show_latency(latency: dict, out: TextIO) -> None:
+    """Reply latency: the baselines, the last round over its baseline, the last cut."""
+    baselines = ", ".join(f"{kind} {s * 1000:.1f} ms" for kind, s in latency["baseline"].items())
+    if baselines:
+        out.write(f"  latency     baselines {baselines}\n")
+    if last := latency.get("last"):
+        median = f"{last['ratio']:.1f}x its baseline"
+        out.write(f"    last      {last['kind']} replies: {median} ({last['verdict']})\n")
+    if latency.get("knee"):
+        out.write(f"    knee      {latency['knee']} connections (one more slowed its replies)\n")
+    if slowed := latency.get("slowed"):
+        cut = f"connections {slowed['from']} -> {slowed['to']}"
+        out.write(
+            f"  slowed      at {time(slowed['at'])}: the {slowed['kind']} reply"
+            f" {slowed['ratio']:.1f}x its baseline, {cut}\n"
+        )
 
 
 def _show_learned(learned: dict, out: TextIO) -> None:

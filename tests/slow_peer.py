@@ -1,0 +1,99 @@
+"""A receiver that throttles silently, for the latency tests: it never refuses, it slows.
+
+    with SlowPeer(comfort=2, per_session=0.3, base=0.002, steady=0.0) as peer:
+        peer.port  peer.accepted  peer.max_sessions  peer.connections
+    comfort       sessions it takes without slowing (None: any number)
+    per_session   seconds added to the reply after the final dot per session over comfort
+    base          seconds before that reply at any load (network and filters)
+    steady        seconds before that reply always: a host slow at any load
+    banner        the same slowing for the greeting as well
+
+It offers PIPELINING and answers each command as it reads it (a pipelined group's replies
+go out together). `accepted` holds, for each message, how many sessions were open when
+its content was answered; the delays never answer 4xx or 5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+
+class SlowPeer:
+    def __init__(
+        self,
+        comfort: int | None = None,
+        per_session: float = 0.0,
+        base: float = 0.0,
+        steady: float = 0.0,
+        banner: bool = False,
+        host: str = "127.0.0.2",
+    ) -> None:
+        self.comfort, self.per_session = comfort, per_session
+        self.base, self.steady, self.banner = base, steady, banner
+        self.host = host
+        self.accepted: list[int] = []  # sessions open at each message's acceptance
+        self.max_sessions = 0
+        self.connections = 0
+        self._open = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+
+    def __enter__(self) -> SlowPeer:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
+        self.port = future.result(10)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def delay(self) -> float:
+        """The wait before a slowed reply, at the sessions open now."""
+        over = 0 if self.comfort is None else max(0, self._open - self.comfort)
+        return self.steady + self.base + self.per_session * over
+
+    async def _start(self) -> int:
+        self._server = await asyncio.start_server(self._session, self.host, 0)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+            task.cancel()
+
+    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open += 1
+        self.connections += 1
+        self.max_sessions = max(self.max_sessions, self._open)
+        try:
+            if self.banner:
+                await asyncio.sleep(self.delay())
+            writer.write(b"220 slow.test ESMTP\r\n")
+            while line := await reader.readline():
+                verb = line[:4].upper()
+                if verb in (b"EHLO", b"HELO"):
+                    writer.write(b"250-slow.test\r\n250-PIPELINING\r\n250 SIZE 10000000\r\n")
+                elif verb == b"DATA":
+                    writer.write(b"354 go ahead\r\n")
+                    await writer.drain()
+                    while (await reader.readline()) not in (b".\r\n", b""):
+                        pass
+                    await asyncio.sleep(self.delay())
+                    self.accepted.append(self._open)
+                    writer.write(b"250 2.0.0 queued\r\n")
+                elif verb == b"QUIT":
+                    writer.write(b"221 bye\r\n")
+                    break
+                else:
+                    writer.write(b"250 2.0.0 ok\r\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._open -= 1
+            writer.close()

@@ -1,0 +1,95 @@
+"""Silent throttling, end to end (issue 29): the daemon relays a backlog to a receiver that
+never refuses but answers more slowly past a number of sessions (tests/slow_peer.py).
+
+- Slowed only after the final dot (connections open fast), it gets fewer sessions: the
+  daemon starts at 8 and comes down to the receiver's comfort, logging each cut.
+- A host slow at any load (a steady half second after every dot) keeps the parallelism it
+  allows: it is slow, not throttling.
+- A fast receiver beside a loaded machine (CPU hogs on every core) is not cut.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+from e2e_helpers import FAST, ctl_json, events, wait_for
+from slow_peer import SlowPeer
+
+BODY = "Subject: m{i}\r\nFrom: app@sender.test\r\n\r\nbody {i}\r\n"
+
+
+def backlog(start_daemon, peer: SlowPeer, count: int, sessions: int, initial: int):
+    """A daemon relaying to `peer` (at most `sessions` connections, `initial` to start),
+    `count` messages queued while delivery was off, then let go at once."""
+    overrides = (
+        *FAST,
+        f"delivery.relayhost=[127.0.0.2]:{peer.port}",
+        "delivery.tls=off",
+        f"shaping.default.max_connections={sessions}",
+        f"shaping.default.initial_connections={initial}",
+        "shaping.default.reserved_p0=0",
+        "retry.restart_spread=0s",
+    )
+    daemon = start_daemon(*overrides, "delivery.enabled=false")
+    for i in range(count):
+        daemon.send("app@sender.test", [f"r{i}@example.org"], BODY.format(i=i).encode())
+    assert daemon.stop() == 0
+    daemon.overrides.append("delivery.enabled=true")
+    return daemon.start()
+
+
+def destination(daemon) -> dict:
+    (found,) = [d for d in ctl_json(daemon, "domains") if d.get("routed", True)]
+    return found
+
+
+def test_a_receiver_that_slows_after_the_dot_gets_fewer_sessions(start_daemon):
+    with SlowPeer(comfort=2, per_session=0.4, base=0.002) as peer:
+        daemon = backlog(start_daemon, peer, 240, sessions=8, initial=8)
+        wait_for(lambda: len(peer.accepted) == 240, timeout=120, what="the backlog delivered")
+        cuts = events(daemon, "latency_slowed")
+        assert cuts and all(c["kind"] == "dot" and c["new"] < c["old"] for c in cuts), cuts
+        assert cuts[0]["old"] == 8
+        # Most of the backlog went at the receiver's comfort, not at the 8 it started at.
+        later = peer.accepted[len(peer.accepted) // 2 :]
+        past = sum(1 for sessions in later if sessions > peer.comfort)
+        assert past <= 0.2 * len(later), (past, peer.accepted)
+        shown = destination(daemon)
+        assert shown["limit"] <= 3
+        latency = shown["latency"]
+        assert latency["slowed"]["kind"] == "dot" and latency["slowed"]["ratio"] > 10
+        assert latency["baseline"]["dot"] < 0.1  # the fast reply, not the slowed ones
+        rendered = daemon.ctl("domains").stdout
+        assert "slowed" in rendered and "dot reply" in rendered, rendered
+
+
+def test_a_host_slow_at_any_load_keeps_its_parallelism(start_daemon):
+    with SlowPeer(steady=0.5) as peer:  # half a second after every dot, at any load
+        daemon = backlog(start_daemon, peer, 120, sessions=6, initial=2)
+        wait_for(lambda: len(peer.accepted) == 120, timeout=120, what="the backlog delivered")
+        assert not events(daemon, "latency_slowed")
+        assert peer.max_sessions == 6
+        assert destination(daemon)["latency"]["baseline"]["dot"] >= 0.5
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+def test_a_loaded_machine_does_not_cut_a_fast_receiver(start_daemon):
+    stop = multiprocessing.Event()
+    hogs = [multiprocessing.Process(target=_spin, args=(stop,)) for _ in range(os.cpu_count() or 2)]
+    with SlowPeer() as peer:
+        for hog in hogs:
+            hog.start()
+        try:
+            daemon = backlog(start_daemon, peer, 400, sessions=6, initial=2)
+            wait_for(lambda: len(peer.accepted) == 400, timeout=120, what="the backlog sent")
+        finally:
+            stop.set()
+            for hog in hogs:
+                hog.join(10)
+        assert not events(daemon, "latency_slowed")
+        assert peer.max_sessions == 6
