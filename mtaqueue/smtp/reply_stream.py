@@ -98,8 +98,8 @@ class ReplyStream(asyncio.Protocol):
         if not self.open:
             raise StreamError("lost", "connection lost before the command was sent")
         assert self._transport is not None
+        self.written = time.monotonic()  # (before: a reply may come before write returns)
         self._transport.write(data)
-        self.written = time.monotonic()
         self.flushed = not self._transport.get_write_buffer_size()
 
     async def reply(self, timeout: float) -> tuple[int, str]:
