@@ -1,5 +1,5 @@
 """Silent throttling, end to end (issue 29): the daemon relays a backlog to a receiver that
-never refuses but answers more slowly past a number of sessions (tests/slow_peer.py).
+never refuses but answers more slowly past a number of sessions (tests/slowing_receiver.py).
 
 - Slowed only after the final dot (connections open fast), it gets fewer sessions: the
   daemon starts at 8 and comes down to the receiver's comfort, logging each cut.
@@ -14,7 +14,7 @@ import multiprocessing
 import os
 
 from e2e_helpers import FAST, ctl_json, events, wait_for
-from slow_peer import SlowPeer
+from slowing_receiver import SlowPeer
 
 BODY = "Subject: m{i}\r\nFrom: app@sender.test\r\n\r\nbody {i}\r\n"
 
