@@ -43,7 +43,8 @@ allows (the comfort minimum / drain: target >= 0.8); the p99 latency of the live
 250 at the sender to the provider's 250) and of the backlog's p0 (from the release);
 connections opened, most sessions at once and the median after the learning period; the
 throttling delay the provider imposed; for mtaqueue, the learned limits it logged from
-latency (`limit_learned` events whose reply is "latency ...") and its concurrency limit
+latency (`limit_learned` events whose reply is "latency ...": the cuts, the lowest rate) and
+its concurrency limit
 after learning (sampled from `mtaqueue-ctl domains`). The allowance of a provider without a
 session level is the shipped sender's cap: a sender opening more (stock Postfix: 20) can
 go over 1. Missed targets are marked; exit 1 only when a run breaks.
@@ -282,7 +283,7 @@ def run_mtaqueue(
         run.dsns = sink.stop()["messages"]["accepted"]
         run.report = peer.stop()
     run.extra["log"] = read_daemon_log(here / "release.log")
-    run.extra["latency_cuts"] = latency_cuts(here / "release.log")
+    run.extra["latency_lessons"] = latency_lessons(here / "release.log")
     return run
 
 
@@ -311,8 +312,9 @@ def run_postfix(
     return run
 
 
-def latency_cuts(path: Path) -> list[list]:
-    """mtaqueue's `limit_learned` events taught by latency: [time, what, old, new]."""
+def latency_lessons(path: Path) -> list[list]:
+    """mtaqueue's `limit_learned` events taught by latency (cuts, and growth after one):
+    [time, what, old, new]."""
     cuts = []
     with contextlib.suppress(OSError):
         for line in path.read_text(errors="replace").splitlines():
@@ -389,7 +391,7 @@ def main() -> int:
                 "targets": targets(figures(r, p, args.learning), p),
                 "error": r.error,
                 "notes": r.notes,
-                "latency_cuts": r.extra.get("latency_cuts"),
+                "latency_lessons": r.extra.get("latency_lessons"),
                 "log": r.extra.get("log"),
                 "depth": r.depth,
                 "destination": [  # seconds after release, concurrency limit, rate per minute

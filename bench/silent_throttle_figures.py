@@ -5,7 +5,7 @@
     print_run(run, provider, learning)            a progress line of one run
 
 `run` is recovery_storm's Run: `report` the slow_peer's, `extra["live"]` the live p0
-({"submitted": {message_id: epoch of its 250}, "failed": [...]}), `extra["latency_cuts"]`
+({"submitted": {message_id: epoch of its 250}, "failed": [...]}), `extra["latency_lessons"]`
 mtaqueue's; `provider` anything with `name`, `sessions`, `rate` and `comfort_min(messages)`
 (silent_throttle.Provider). Definitions and targets: silent_throttle.py's docstring.
 """
@@ -57,6 +57,8 @@ def figures(run: Run, p: Any, learning: float) -> dict[str, Any]:
         if e["destination"].startswith("mx1.provider.test")
     ]
     delays = comfort.get("delay_s", {})
+    mtaqueue = run.name == "mtaqueue"
+    lessons = run.extra.get("latency_lessons") or []
     return {
         "messages": total,
         "delivered": len(first),
@@ -84,7 +86,9 @@ def figures(run: Run, p: Any, learning: float) -> dict[str, Any]:
         "duplicates": rep.get("messages", {}).get("duplicate_deliveries", 0),
         "replies_4xx": rep.get("reply_classes", {}).get("4xx", 0),
         "replies_5xx": rep.get("reply_classes", {}).get("5xx", 0),
-        "latency_cuts": len(run.extra.get("latency_cuts", [])) if run.name == "mtaqueue" else None,
+        "replies_503": rep.get("replies", {}).get("503", 0),  # pipelined DATA, RCPT refused
+        "latency_cuts": sum(new < old for *_, old, new in lessons) if mtaqueue else None,
+        "latency_rate_min": min((n for _, w, _, n in lessons if w == "rate"), default=None),
         "limit_p50_after": statistics.median(limits) if limits else None,
         "limit_max_after": max(limits) if limits else None,
         "peer_errors": len(rep.get("errors", [])),
@@ -120,12 +124,13 @@ ROWS = [
      lambda f: f"{f['connections']}; {f['max_sessions']}; {fmt(f['sessions_p50_after'], 1)}", None),
     ("throttling delay imposed, s (banners delayed)",
      lambda f: f"{f['throttle_delay_s']:.0f} ({f['banner_delays']})", None),
-    ("limits learned from latency (limit_learned); concurrency limit p50 / max after learning",
-     lambda f: "-" if f["latency_cuts"] is None else
-     f"{f['latency_cuts']}; {fmt(f['limit_p50_after'])} / {fmt(f['limit_max_after'])}", None),
-    ("delivered; duplicates; 4xx / 5xx replies",
-     lambda f: f"{f['delivered']}; {f['duplicates']}; {f['replies_4xx']} / {f['replies_5xx']}",
-     None),
+    ("cuts learned from latency; lowest learned rate, /min; concurrency limit p50 / max after "
+     "learning", lambda f: "-" if f["latency_cuts"] is None else
+     f"{f['latency_cuts']}; {fmt(f['latency_rate_min'], 0)}; {fmt(f['limit_p50_after'], 1)} / "
+     f"{fmt(f['limit_max_after'])}", None),
+    ("delivered; duplicates; 4xx / 5xx replies (503 to a DATA after a refused RCPT)",
+     lambda f: f"{f['delivered']}; {f['duplicates']}; {f['replies_4xx']} / {f['replies_5xx']} "
+     f"({f['replies_503']})", None),
 ]  # fmt: skip
 
 
@@ -162,7 +167,7 @@ def print_run(run: Run, p: Any, learning: float) -> None:
         f"{fmt(f['p0_live_p99'])} s; throttling delay {f['throttle_delay_s']:.0f} s",
         flush=True,
     )
-    if run.extra.get("latency_cuts"):
-        print(f"  latency cuts: {run.extra['latency_cuts'][:10]}")
+    if run.extra.get("latency_lessons"):
+        print(f"  learned from latency: {run.extra['latency_lessons'][:10]}")
     for failure in run.extra.get("live", {}).get("failed", [])[:3]:
         print(f"  live p0 not submitted: {failure}")
