@@ -755,7 +755,7 @@ def release_postfix(
         pf.mode, pf.relay = "relay", relay
         pf._write_config()
         pf._postfix("stop", timeout=30)
-        pf._wait_port_free()
+        pf._waitport_free()
         run.release = time.time()
         pf._postfix("start", timeout=60)
         pf.flush()

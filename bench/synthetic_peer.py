@@ -60,6 +60,9 @@ In-process (tests):
     with SyntheticPeer(["127.0.0.2:0"], greylist=300, time_scale=0.001) as peer:
         ...  # smtplib / aiosmtplib against peer.host, peer.port
         assert peer.report()["messages"]["accepted"] == 1
+
+A variant (bench/slow_peer.py) subclasses SyntheticPeer with its own `session_class` and
+reuses the command line: build_parser(), peer_options(parser, args), serve_cli(peer, args).
 """
 
 from __future__ import annotations
@@ -398,6 +401,8 @@ class SyntheticPeer:
     `rate` is "COUNT/PERIOD" or (count, period seconds). `start()` runs it in a background
     thread; `serve()` runs it in the caller's loop (the CLI). `report()` is thread-safe.
     """
+
+    session_class: type[_Session] = _Session  # a subclass may answer differently
 
     def __init__(
         self,
@@ -962,7 +967,11 @@ class SyntheticPeer:
                 for host, port in self.listen:
                     wanted = port or shared_port
                     server = await loop.create_server(
-                        lambda: _Session(self), host, wanted, reuse_address=True, backlog=1024
+                        lambda: self.session_class(self),
+                        host,
+                        wanted,
+                        reuse_address=True,
+                        backlog=1024,
                     )
                     servers.append(server)
                     if not port and not shared_port:
@@ -1190,39 +1199,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+# Options whose names are SyntheticPeer's keyword arguments as they are.
+_SAME_NAMES = (
+    *("greylist", "rate", "burst", "rate_style", "max_connections", "slow_banner_at"),
+    *("slow_factor", "blocklist_after", "blocklist_throttles", "blocklist_for"),
+    *("blocklist_window", "time_scale", "hostname", "timeout"),
+)
+
+
+def peer_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """SyntheticPeer's keyword arguments from build_parser()'s options (parser.error if bad)."""
     if args.duration <= 0:
         parser.error("--duration must be > 0")
     if args.idle_exit is not None and args.idle_exit <= 0:
         parser.error("--idle-exit must be > 0")
+    bounces = list(args.bounce)
     try:
-        bounces = list(args.bounce)
         for path in args.bounce_file:
             bounces += read_bounce_file(path)
-        peer = SyntheticPeer(
-            args.listen or ["127.0.0.2:2600"],
-            greylist=args.greylist,
-            rate=args.rate,
-            burst=args.burst,
-            rate_style=args.rate_style,
-            max_connections=args.max_connections,
-            slow_banner_at=args.slow_banner_at,
-            slow_factor=args.slow_factor,
-            blocklist_after=args.blocklist_after,
-            blocklist_throttles=args.blocklist_throttles,
-            blocklist_for=args.blocklist_for,
-            blocklist_window=args.blocklist_window,
-            bounces=bounces,
-            time_scale=args.time_scale,
-            hostname=args.hostname,
-            timeout=args.timeout,
-            timeline=not args.no_timeline,
-            down=args.start_down,
-        )
-    except (ValueError, OSError) as error:
+    except OSError as error:
         parser.error(str(error))
+    options = {name: getattr(args, name) for name in _SAME_NAMES}
+    options.update(listen=args.listen or ["127.0.0.2:2600"], bounces=bounces)
+    return options | {"timeline": not args.no_timeline, "down": args.start_down}
+
+
+def serve_cli(peer: SyntheticPeer, args: argparse.Namespace) -> int:
+    """Run `peer` as the command line does (signals, the report, a summary on stderr)."""
 
     def announce() -> None:
         where = " ".join(f"{h}:{p}" for h, p in peer.addresses)
@@ -1257,6 +1260,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    options = peer_options(parser, args)
+    try:
+        peer = SyntheticPeer(**options)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    return serve_cli(peer, args)
 
 
 if __name__ == "__main__":
