@@ -43,7 +43,8 @@ allows (the comfort minimum / drain: target >= 0.8); the p99 latency of the live
 250 at the sender to the provider's 250) and of the backlog's p0 (from the release);
 connections opened, most sessions at once and the median after the learning period; the
 throttling delay the provider imposed; for mtaqueue, the learned limits it logged from
-latency (`limit_learned` events whose reply is "latency ...": the cuts, the lowest rate) and
+latency (`latency_slowed` cuts of the connections, `limit_learned` events whose reply is
+"latency ...": the rate's, the lowest rate) and
 its concurrency limit
 after learning (sampled from `mtaqueue-ctl domains`). The allowance of a provider without a
 session level is the shipped sender's cap: a sender opening more (stock Postfix: 20) can
@@ -313,17 +314,21 @@ def run_postfix(
 
 
 def latency_lessons(path: Path) -> list[list]:
-    """mtaqueue's `limit_learned` events taught by latency (cuts, and growth after one):
-    [time, what, old, new]."""
+    """mtaqueue's lessons from latency: `limit_learned` events taught by it (the rate's
+    cuts, and growth after one) and `latency_slowed` (the connection limit's cuts, "rate"
+    cuts at one connection being the limit_learned beside): [time, what, old, new]."""
     cuts = []
     with contextlib.suppress(OSError):
         for line in path.read_text(errors="replace").splitlines():
-            if '"limit_learned"' not in line:
+            if '"limit_learned"' not in line and '"latency_slowed"' not in line:
                 continue
             with contextlib.suppress(ValueError):
                 e = json.loads(line)
-                if str(e.get("reply", "")).startswith("latency"):
-                    cuts.append([e.get("timestamp") or e.get("ts"), e["what"], e["old"], e["new"]])
+                at = e.get("timestamp") or e.get("ts")
+                if e.get("event") == "latency_slowed" and e["new"] < e["old"]:
+                    cuts.append([at, "connections", e["old"], e["new"]])
+                elif str(e.get("reply", "")).startswith("latency"):
+                    cuts.append([at, e["what"], e["old"], e["new"]])
     return cuts
 
 

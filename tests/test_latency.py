@@ -12,6 +12,7 @@ from mtaqueue.policy.latency import (
     FLOOR,
     LAG_WINDOW,
     MIXED,
+    ROSE,
     ROUND,
     SLOW,
     WINDOW,
@@ -243,3 +244,25 @@ def test_the_crowd_forgets_destinations_as_they_age():
     for i in range(1000):
         load.reported(float(i), f"d{i}", SLOW)
     assert len(load._rounds) <= CROWD_WINDOW + 1
+
+
+def test_a_round_whose_median_rose_over_the_last_one_rose():
+    latency = ReplyLatency(FACTOR)
+    latency.sample(0.0, "dot", 0.25)
+    rounds = [latency.sample(1.0 + i, "dot", 0.25) for i in range(ROUND)]
+    assert rounds[-1].verdict == CALM
+    latency.restart(10.0)  # a step up
+    rounds = [latency.sample(11.0 + i, "dot", 0.45) for i in range(ROUND)]
+    assert rounds[-1].verdict == ROSE and rounds[-1].rose  # +80%: under 3x, but it rose
+    rounds = [latency.sample(20.0 + i, "dot", 0.5) for i in range(ROUND)]
+    assert rounds[-1].verdict == CALM  # +11% over the round before: no rise
+    rounds = [latency.sample(30.0 + i, "dot", 0.0005 * 2.0) for i in range(ROUND)]
+    assert rounds[-1].verdict == CALM  # faster
+
+
+def test_a_rise_must_also_be_the_floor():
+    latency = ReplyLatency(FACTOR)
+    latency.sample(0.0, "mail", 0.001)
+    [latency.sample(1.0 + i, "mail", 0.001) for i in range(ROUND)]
+    rounds = [latency.sample(10.0 + i, "mail", 0.004) for i in range(ROUND)]
+    assert rounds[-1].verdict == CALM  # 4x on loopback is 3 ms: nothing

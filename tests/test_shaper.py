@@ -799,3 +799,18 @@ def test_the_knee_and_the_baselines_outlive_a_restart():
     assert again.concurrency.knee == 3
     assert again.slowdown.latency.baseline("dot", now + 60) == 0.2
     assert again.snapshot(now + 60)["latency"]["knee"] == 3
+
+
+def test_a_step_up_that_raised_the_replies_steps_back_to_the_knee():
+    """Gentler than a slowdown: 0.25 s after the dot at 3 sessions, 0.45 s at 4 (1.8x,
+    under latency_factor): the step up was one too many."""
+    shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=3))
+    now = slow_round(shaper, 0.0, 0.25)
+    while shaper.concurrency.limit < 4:
+        report(shaper, now, DELIVERED)
+    now = slow_round(shaper, now, 0.45)
+    assert (shaper.concurrency.limit, shaper.concurrency.knee) == (3, 3)
+    assert shaper.snapshot(now)["latency"]["last"]["verdict"] == "rose"
+    assert shaper.snapshot(now)["learned"]["phase"] != "paused"  # the rate stands
+    now = slow_round(shaper, now, 0.45)  # slower again with no step up: nothing more
+    assert shaper.concurrency.limit == 3

@@ -5,7 +5,7 @@
     .restart(now)                 the sender changed its pace: rounds count from here
     .baseline(kind, now) -> float | None   .rtt(now) -> float | None   .saved(now)
     .last  .calm    KINDS  ROUND_TRIPS
-    Round(start, samples, slow, ratio, kind)    .verdict: SLOW, CALM or MIXED
+    Round(start, kind, samples, slow, ratio, rose)    .verdict: SLOW, ROSE, CALM or MIXED
     OwnLoad(): .lag(now, seconds)  .lagging(now)  .reported(now, key, verdict)  .ours(now)
 
 Seed 003's silent throttling: a receiver that never refuses but answers more slowly the
@@ -23,7 +23,10 @@ after the pace last changed (`restart`): a reply in flight then says nothing of 
 pace. A round is SLOW when SLOW_SHARE of its samples or more are slow, CALM when none is,
 else MIXED; per kind, so that a site which stretches only the reply after the dot is heard
 however many RCPTs or connections come between (and one slow reply in a round is not a
-slowdown). The latency is `calm` while every kind's last round since the pace changed was,
+slowdown). A round whose median rose by RISE, and FLOOR, over the last round of its kind
+(at the pace before) ROSE: gentler than slow, it says whether one step more of load was
+one too many (how TCP Vegas and BBR read a round trip that grows with what is in
+flight). The latency is `calm` while every kind's last round since the pace changed was,
 the dot's included.
 
 Our own load is not the destination's (`OwnLoad`): the driver reports how late its event
@@ -48,12 +51,14 @@ _BUCKETS = 5  # the window's minimum is kept in this many slices (constant memor
 FLOOR = 0.1  # seconds over the baseline before a sample can be slow
 ROUND = 4  # samples of one kind judged together
 SLOW_SHARE = 0.5  # of a round's samples slow: the round is slow
+RISE = 0.5  # a round's median this much over the last round's of its kind: it rose
 LAG_WINDOW = 2.0  # seconds of the loop's lag a sample is judged without
 CROWD = 3  # destinations that closed a round, at least, before the crowd says anything
 CROWD_SHARE = 2 / 3  # of them slow at once: it is us
 CROWD_WINDOW = 60.0
 
 SLOW = "slow"
+ROSE = "rose"
 CALM = "calm"
 MIXED = "mixed"
 
@@ -67,11 +72,14 @@ class Round:
     samples: int
     slow: int
     ratio: float  # the median of sample / baseline
+    rose: bool = False  # its median rose over the last round's of its kind
 
     @property
     def verdict(self) -> str:
         if self.slow >= SLOW_SHARE * self.samples:
             return SLOW
+        if self.rose:
+            return ROSE
         return CALM if self.slow == 0 else MIXED
 
 
@@ -112,6 +120,8 @@ class ReplyLatency:
         self._round_trips = 0  # samples of ROUND_TRIPS kinds, up to 2
         self._start = -math.inf  # rounds count samples that started from here
         self._ratios: dict[str, list[float]] = {}  # by kind, of its round so far
+        self._seconds: dict[str, list[float]] = {}
+        self._medians: dict[str, float] = {}  # each kind's last round's median, seconds
         self._slow: Counter[str] = Counter()
         self._verdicts: dict[str, str] = {}  # each kind's last round since the start
 
@@ -128,13 +138,18 @@ class ReplyLatency:
         judged = max(0.0, seconds - lag)
         ratios = self._ratios.setdefault(kind, [])
         ratios.append(judged / max(base, 1e-4))
+        self._seconds.setdefault(kind, []).append(judged)
         if judged > self.factor * base and judged > base + FLOOR:
             self._slow[kind] += 1
         if len(ratios) < ROUND:
             return None
         del self._ratios[kind]
+        median = sorted(self._seconds.pop(kind))[ROUND // 2]
+        before, self._medians[kind] = self._medians.get(kind), median
+        rose = before is not None and median >= max((1 + RISE) * before, before + FLOOR)
         ratios.sort()
-        closed = Round(self._start, kind, len(ratios), self._slow.pop(kind, 0), ratios[ROUND // 2])
+        slow = self._slow.pop(kind, 0)
+        closed = Round(self._start, kind, len(ratios), slow, ratios[ROUND // 2], rose)
         self._verdicts[kind] = closed.verdict
         self.last = closed
         return closed
@@ -152,6 +167,7 @@ class ReplyLatency:
         """The pace changed at `now`: the next round counts only what started since."""
         self._start = now
         self._ratios.clear()
+        self._seconds.clear()
         self._slow.clear()
         self._verdicts.clear()
 

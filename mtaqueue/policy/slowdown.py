@@ -10,7 +10,9 @@
 A round of one kind of reply (policy/latency.py) that is slow, and not ours (`ours`: our event
 loop lags, or every destination slowed at once), is the destination saying "slower"
 without an error. The concurrency halves, or steps back one if the step up since the
-round before is what slowed the site (its knee, policy/concurrency.py). Sessions first:
+round before is what slowed the site (its knee, policy/concurrency.py); a round that only
+ROSE over the one before steps back too, when a step up came between (else it cuts
+nothing: a site's replies wander). Sessions first:
 what a slowed site accepts is bound by its slow replies, and a rate learned from it would
 hold the pace down long after the replies are fast again (bench/RESULTS.md). At one
 connection still slowed, the site minds the rate: that takes a throttle signal as for a
@@ -29,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .concurrency import AdaptiveConcurrency
-from .latency import SLOW, ReplyLatency, Round
+from .latency import ROSE, SLOW, ReplyLatency, Round
 from .rate_learner import Learned, RateLearner
 
 
@@ -74,15 +76,20 @@ class Slowdown:
         """A round closed: growth follows a calm one; a slow one that is not `ours` cuts
         the concurrency and the rate. Whether it cut."""
         concurrency.steady(self.latency.calm)
-        if closed.verdict != SLOW or ours:
+        if closed.verdict not in (SLOW, ROSE) or ours:
             return False
         old = concurrency.limit
         raised = concurrency.raised_at
-        if old == 1:  # its sessions are not what it minds: the rate is
+        probed = raised is not None and closed.start <= raised  # (a step up restarts rounds)
+        if closed.verdict == ROSE:  # gentler: only a step up that did it steps back
+            if not probed:
+                return False
+            concurrency.step_back(now)
+        elif old == 1:  # its sessions are not what it minds: the rate is
             learner.throttled(
                 now, f"latency {closed.ratio:.1f}x the {closed.kind} reply's baseline"
             )
-        elif raised is not None and closed.start <= raised:  # (a step up restarts rounds)
+        elif probed:
             concurrency.step_back(now)
         else:
             concurrency.throttled()
