@@ -612,12 +612,8 @@ def run_mtaqueue(
     finally:
         if daemon is not None:
             daemon.stop()
-        dns.stop()
-        for proxy in PATH_PROXIES:
-            proxy.__exit__()
-        PATH_PROXIES.clear()
-        run.dsns = sink.stop()["messages"]["accepted"]
-        run.report = peer.stop()
+        stop_provider_dns(dns)
+        keep_reports(run, sink, peer)
     run.extra["log"] = read_daemon_log(workdir / "release.log")
     return run
 
@@ -647,6 +643,20 @@ def provider_dns(port: int | None = None):
             ip = front
         dns.add(f"mx{i + 1}.provider.test", "A", ip)
     return dns
+
+
+def stop_provider_dns(dns) -> None:
+    """The DNS server of `provider_dns` stopped, and its delay proxies (if any)."""
+    dns.stop()
+    for proxy in PATH_PROXIES:
+        proxy.__exit__()
+    PATH_PROXIES.clear()
+
+
+def keep_reports(run: Run, sink: SyntheticPeer, peer) -> None:
+    """A run's end: the DSN sink's and the provider's reports kept, both stopped."""
+    run.dsns = sink.stop()["messages"]["accepted"]
+    run.report = peer.stop()
 
 
 def drain_mtaqueue(run: Run, daemon: Daemon, peer: PeerProcess, timeout: float) -> None:
@@ -790,8 +800,7 @@ def run_postfix(s: Scenario, workdir: Path, timeout: float, tag: str, concurrenc
         relay = f"{PROVIDER_IPS[0]}:{peer.port}"
         release_postfix(run, pf, s, relay, timeout, pids=(None, peer.proc.pid))
     finally:
-        run.dsns = sink.stop()["messages"]["accepted"]
-        run.report = peer.stop()
+        keep_reports(run, sink, peer)
     return run
 
 

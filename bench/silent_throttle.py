@@ -75,7 +75,6 @@ from postfix_instance import postfix_available  # noqa: E402
 from recovery_storm import (  # noqa: E402
     DOMAINS,
     MTAQUEUE_PORT,
-    PATH_PROXIES,
     POSTFIX_PORT,
     PROVIDER_IPS,
     SINK_IP,
@@ -83,6 +82,7 @@ from recovery_storm import (  # noqa: E402
     Planned,
     Run,
     Scenario,
+    keep_reports,
     mtaqueue_config,
     plan,
     postfix_sender,
@@ -91,6 +91,7 @@ from recovery_storm import (  # noqa: E402
     read_daemon_log,
     release_postfix,
     sample_until_drained,
+    stop_provider_dns,
     submit,
 )
 from silent_throttle_figures import figures, print_run, table, targets  # noqa: E402
@@ -277,12 +278,8 @@ def run_mtaqueue(
         feeder.finish()
         if daemon is not None:
             daemon.stop()
-        dns.stop()
-        for proxy in PATH_PROXIES:
-            proxy.__exit__()
-        PATH_PROXIES.clear()
-        run.dsns = sink.stop()["messages"]["accepted"]
-        run.report = peer.stop()
+        stop_provider_dns(dns)
+        keep_reports(run, sink, peer)
     run.extra["log"] = read_daemon_log(here / "release.log")
     run.extra["latency_lessons"] = latency_lessons(here / "release.log")
     return run
@@ -308,8 +305,7 @@ def run_postfix(
         release_postfix(run, pf, s, relay, timeout, pids=(None, peer.proc.pid))
     finally:
         feeder.finish()
-        run.dsns = sink.stop()["messages"]["accepted"]
-        run.report = peer.stop()
+        keep_reports(run, sink, peer)
     return run
 
 

@@ -62,10 +62,16 @@ def run_against(workdir: Path, discard: str, mode: str, pipelining: bool) -> Non
             conn = await SmtpConnection.open("mx.example.org", postfix.host, postfix.port, SETTINGS)
             assert conn.pipeline is not None and conn.pipeline.pipelining == pipelining
             results = await pipeline_of(conn, TAGS, rcpts=RCPTS)
+            timed = conn.pipeline.timed()
             await conn.quit()
-            return results
+            return results, conn.handshake, timed
 
-        results = asyncio.run(asyncio.wait_for(go(), 60))
+        results, handshake, timed = asyncio.run(asyncio.wait_for(go(), 60))
+        # Its replies timed for the destination's latency (issue 29): the handshake's, and
+        # the reply after each final dot.
+        assert [kind for kind, _ in handshake] == ["connect", "banner", "ehlo"]
+        assert [kind for kind, _ in timed].count("dot") == len(TAGS), timed
+        assert all(0 < seconds < 10 for _, seconds in handshake + timed), (handshake, timed)
         for replies in results:
             codes = [(r.phase, r.code) for r in replies]
             assert codes == [("data_end", 250), ("rcpt", 554), ("data_end", 250)], replies

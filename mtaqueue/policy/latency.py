@@ -99,6 +99,11 @@ class _WindowedMin:
             self._slices.append([now, value])
         self._expire(now)
 
+    @property
+    def seen(self) -> bool:
+        """Whether any value is kept (expired slices go at the next add or value)."""
+        return bool(self._slices)
+
     def value(self, now: float) -> float | None:
         self._expire(now)
         return min(value for _, value in self._slices) if self._slices else None
@@ -159,7 +164,7 @@ class ReplyLatency:
         """Every kind's last round since the pace changed was calm, the dot's among them
         once it has a baseline (every delivery times one, and it is the reply a site slows
         most; the others come sooner and would speak for a pace not judged yet)."""
-        if "dot" not in self._verdicts and self._minimum["dot"].value(self._start) is not None:
+        if "dot" not in self._verdicts and self._minimum["dot"].seen:
             return False
         return all(verdict == CALM for verdict in self._verdicts.values())
 
