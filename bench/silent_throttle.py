@@ -310,9 +310,9 @@ def run_postfix(
 
 
 def latency_lessons(path: Path) -> list[list]:
-    """mtaqueue's lessons from latency: `limit_learned` events taught by it (the rate's
-    cuts, and growth after one) and `latency_slowed` (the connection limit's cuts, "rate"
-    cuts at one connection being the limit_learned beside): [time, what, old, new]."""
+    """mtaqueue's lessons from latency: `latency_slowed` events (cuts of the connection
+    limit, and of the rate ceiling, a minute: "rate", 0 for none before) and
+    `limit_learned` events taught by latency: [time, what, old, new]."""
     cuts = []
     with contextlib.suppress(OSError):
         for line in path.read_text(errors="replace").splitlines():
@@ -323,6 +323,8 @@ def latency_lessons(path: Path) -> list[list]:
                 at = e.get("timestamp") or e.get("ts")
                 if e.get("event") == "latency_slowed" and e["new"] < e["old"]:
                     cuts.append([at, "connections", e["old"], e["new"]])
+                elif e.get("event") == "latency_slowed":
+                    cuts.append([at, "rate", e.get("rate_old"), e.get("rate_new")])
                 elif str(e.get("reply", "")).startswith("latency"):
                     cuts.append([at, e["what"], e["old"], e["new"]])
     return cuts

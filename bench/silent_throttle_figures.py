@@ -87,7 +87,9 @@ def figures(run: Run, p: Any, learning: float) -> dict[str, Any]:
         "replies_4xx": rep.get("reply_classes", {}).get("4xx", 0),
         "replies_5xx": rep.get("reply_classes", {}).get("5xx", 0),
         "replies_503": rep.get("replies", {}).get("503", 0),  # pipelined DATA, RCPT refused
-        "latency_cuts": sum(new < old for *_, old, new in lessons) if mtaqueue else None,
+        "latency_cuts": sum(old is None or new < old for *_, old, new in lessons)
+        if mtaqueue
+        else None,
         "latency_rate_min": min((n for _, w, _, n in lessons if w == "rate"), default=None),
         "limit_p50_after": statistics.median(limits) if limits else None,
         "limit_max_after": max(limits) if limits else None,
@@ -168,6 +170,6 @@ def print_run(run: Run, p: Any, learning: float) -> None:
         flush=True,
     )
     if run.extra.get("latency_lessons"):
-        print(f"  learned from latency: {run.extra['latency_lessons'][:10]}")
+        print(f"  learned from latency: {run.extra['latency_lessons'][:16]}")
     for failure in run.extra.get("live", {}).get("failed", [])[:3]:
         print(f"  live p0 not submitted: {failure}")

@@ -1,22 +1,27 @@
 """A receiver that throttles silently, for the latency tests: it never refuses, it slows.
 
     with SlowPeer(comfort=2, per_session=0.3, base=0.002, steady=0.0) as peer:
-        peer.port  peer.accepted  peer.max_sessions  peer.connections
+        peer.port  peer.accepted  peer.rates  peer.max_sessions  peer.connections
     comfort       sessions it takes without slowing (None: any number)
     per_session   seconds added to the reply after the final dot per session over comfort
+    comfort_rate  messages a second (over the last second) it takes without slowing
+    per_rate      seconds added to that reply per time over comfort_rate
     base          seconds before that reply at any load (network and filters)
     steady        seconds before that reply always: a host slow at any load
     banner        the same slowing for the greeting as well
 
 It offers PIPELINING and answers each command as it reads it (a pipelined group's replies
 go out together). `accepted` holds, for each message, how many sessions were open when
-its content was answered; the delays never answer 4xx or 5xx.
+its content was answered, `rates` the messages it accepted over the second before; the
+delays never answer 4xx or 5xx.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
+import time
 
 
 class SlowPeer:
@@ -28,8 +33,13 @@ class SlowPeer:
         steady: float = 0.0,
         banner: bool = False,
         host: str = "127.0.0.2",
+        comfort_rate: float | None = None,
+        per_rate: float = 0.0,
     ) -> None:
         self.comfort, self.per_session = comfort, per_session
+        self.comfort_rate, self.per_rate = comfort_rate, per_rate
+        self.rates: list[float] = []  # at each acceptance, those of the second before
+        self._times: collections.deque[float] = collections.deque()
         self.base, self.steady, self.banner = base, steady, banner
         self.host = host
         self.accepted: list[int] = []  # sessions open at each message's acceptance
@@ -54,7 +64,17 @@ class SlowPeer:
     def delay(self) -> float:
         """The wait before a slowed reply, at the sessions open now."""
         over = 0 if self.comfort is None else max(0, self._open - self.comfort)
-        return self.steady + self.base + self.per_session * over
+        delay = self.steady + self.base + self.per_session * over
+        if self.comfort_rate is not None:
+            delay += self.per_rate * max(0.0, self._rate() / self.comfort_rate - 1)
+        return delay
+
+    def _rate(self) -> float:
+        """Messages accepted over the last second."""
+        now = time.monotonic()
+        while self._times and self._times[0] < now - 1.0:
+            self._times.popleft()
+        return float(len(self._times))
 
     async def _start(self) -> int:
         self._server = await asyncio.start_server(self._session, self.host, 0)
@@ -85,6 +105,8 @@ class SlowPeer:
                         pass
                     await asyncio.sleep(self.delay())
                     self.accepted.append(self._open)
+                    self._times.append(time.monotonic())
+                    self.rates.append(self._rate())
                     writer.write(b"250 2.0.0 queued\r\n")
                 elif verb == b"QUIT":
                     writer.write(b"221 bye\r\n")

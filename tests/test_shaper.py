@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mtaqueue.config import DestinationRule, Pacing, ShapingConfig, ThrottleRule
-from mtaqueue.policy import rate_learner
+from mtaqueue.policy import pace_cap, rate_learner
 from mtaqueue.policy.classify import classify
 from mtaqueue.policy.pacing_rules import NAMED_HOP_RATE, pacing_for, stated_rate
 from mtaqueue.policy.rate_learner import BETA
@@ -461,7 +461,7 @@ def slow_round(shaper: DestinationShaper, now: float, dot: float) -> float:
             return now
 
 
-def test_silent_throttling_cuts_sessions_first_then_the_rate():
+def test_silent_throttling_cuts_sessions_then_the_rate():
     shaper = shaper_at(pacing=Pacing(max_connections=8, initial_connections=8))
     now = slow_round(shaper, 0.0, 0.2)  # the baselines: 0.2 s
     assert shaper.concurrency.limit == 8
@@ -476,16 +476,23 @@ def test_silent_throttling_cuts_sessions_first_then_the_rate():
         "kind": "dot",
         "from": 8,
         "to": 4,
+        "rate_from": None,
+        "rate_to": None,
     }
     assert snap["latency"]["last"] == {"kind": "dot", "ratio": 10.0, "verdict": "slow"}
+    assert snap["latency"]["rate_per_minute"] is None
     for limit in (2, 1):  # slow again each round: cut again
         now = slow_round(shaper, now, 2.0)
         assert shaper.concurrency.limit == limit
     now = slow_round(shaper, now, 2.0)  # at one connection still slow: the rate it is
     snap = shaper.snapshot(now)
-    assert snap["learned"]["phase"] == "paused"
-    assert snap["learned"]["rate_reply"] == "latency 10.0x the dot reply's baseline"
-    assert [(c.old, c.new) for c in shaper.latency_changes()] == [(8, 4), (4, 2), (2, 1), (1, 1)]
+    taken = 60 / 2.5  # a dot every 2.5 s
+    assert snap["latency"]["rate_per_minute"] == pytest.approx(pace_cap.BETA * taken)
+    assert snap["messages_per_minute"] == pytest.approx(pace_cap.BETA * taken)
+    assert snap["latency"]["slowed"]["rate_to"] == pytest.approx(pace_cap.BETA * taken)
+    assert snap["learned"]["phase"] != "paused"  # the learned rate is for refusals
+    changes = [(c.old, c.new, bool(c.rate_new)) for c in shaper.latency_changes()]
+    assert changes == [(8, 4, False), (4, 2, False), (2, 1, False), (1, 1, True)]
 
 
 def test_slowness_of_our_own_cuts_nothing():

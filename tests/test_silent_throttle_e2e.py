@@ -3,6 +3,8 @@ never refuses but answers more slowly past a number of sessions (tests/slowing_r
 
 - Slowed only after the final dot (connections open fast), it gets fewer sessions: the
   daemon starts at 8 and comes down to the receiver's comfort, logging each cut.
+- Slowed past a message rate, it gets a rate ceiling under that rate, and more than one
+  session still.
 - A host slow at any load (a steady half second after every dot) keeps the parallelism it
   allows: it is slow, not throttling.
 - A fast receiver beside a loaded machine (CPU hogs on every core) is not cut.
@@ -49,7 +51,11 @@ def test_a_receiver_that_slows_after_the_dot_gets_fewer_sessions(start_daemon):
         daemon = backlog(start_daemon, peer, 240, sessions=8, initial=8)
         wait_for(lambda: len(peer.accepted) == 240, timeout=120, what="the backlog delivered")
         cuts = events(daemon, "latency_slowed")
-        assert cuts and all(c["kind"] == "dot" and c["new"] < c["old"] for c in cuts), cuts
+        steps = [
+            (e["event"], e["old"], e["new"], e["rate_old"], e["rate_new"], e["ratio"])
+            for e in events(daemon, "latency_slowed") + events(daemon, "latency_recovered")
+        ]
+        assert cuts and all(c["kind"] == "dot" and c["new"] < c["old"] for c in cuts), steps
         assert cuts[0]["old"] == 8
         # Most of the backlog went at the receiver's comfort, not at the 8 it started at.
         later = peer.accepted[len(peer.accepted) // 2 :]
@@ -62,6 +68,26 @@ def test_a_receiver_that_slows_after_the_dot_gets_fewer_sessions(start_daemon):
         assert latency["baseline"]["dot"] < 0.1  # the fast reply, not the slowed ones
         rendered = daemon.ctl("domains").stdout
         assert "slowed" in rendered and "dot reply" in rendered, rendered
+
+
+def test_a_receiver_minding_its_rate_gets_a_rate_ceiling_and_keeps_its_sessions(start_daemon):
+    # 50 ms after every dot; past 40 messages a second, 1 s more per time over it.
+    with SlowPeer(base=0.05, comfort_rate=40, per_rate=1.0) as peer:
+        daemon = backlog(start_daemon, peer, 800, sessions=8, initial=8)
+        wait_for(lambda: len(peer.accepted) == 800, timeout=120, what="the backlog delivered")
+        cuts = events(daemon, "latency_slowed")
+        rate_cuts = [c for c in cuts if c["rate_new"] and c["rate_new"] != c["rate_old"]]
+        assert rate_cuts and all(c["rate_new"] < (c["rate_old"] or 1e9) for c in rate_cuts)
+        # The second half of the backlog went at the receiver's comfort rate (10% over at most:
+        # its count is over its last second), on more than one session.
+        later = peer.rates[len(peer.rates) // 2 :]
+        past = sum(1 for rate in later if rate > 1.1 * peer.comfort_rate)
+        assert past <= 0.2 * len(later), (past, later)
+        assert max(peer.accepted[len(peer.accepted) // 2 :]) >= 2
+        latency = destination(daemon)["latency"]
+        assert 0 < latency["rate_per_minute"] <= 40 * 60
+        rendered = daemon.ctl("domains").stdout
+        assert "rate      at most" in rendered, rendered
 
 
 def test_a_host_slow_at_any_load_keeps_its_parallelism(start_daemon):

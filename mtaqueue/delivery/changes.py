@@ -92,13 +92,15 @@ def learned_changes(destination: Destination, now: float) -> None:
             probing=shaper.probing(now),
         )
     for step in shaper.latency_changes():
-        # A cut for silent throttling (of the rate alone at one connection: `new` = `old`,
-        # a limit_learned beside it), or a step back up after one (docs/runbooks.md).
+        # A cut for silent throttling (of the connections, or of the rate ceiling: then
+        # `rate_new` < `rate_old`), or a step back up after one (docs/runbooks.md).
         (log.warning if step.kind else log.info)(
             "latency_slowed" if step.kind else "latency_recovered",
             destination=destination.key,
             old=step.old,
             new=step.new,
+            rate_old=round(step.rate_old * 60, 2) or None,  # a minute, as configured
+            rate_new=round(step.rate_new * 60, 2) or None,
             ratio=round(step.ratio, 2),
             kind=step.kind or None,
         )

@@ -5,7 +5,8 @@
     .restart(now)                 the sender changed its pace: rounds count from here
     .baseline(kind, now) -> float | None   .rtt(now) -> float | None   .saved(now)
     .last  .calm    KINDS  ROUND_TRIPS
-    Round(start, kind, samples, slow, ratio, rose)    .verdict: SLOW, ROSE, CALM or MIXED
+    Round(start, kind, samples, slow, ratio, rose, near, rate, median, previous)
+        .verdict: SLOW, ROSE, CALM or HIGH
     OwnLoad(): .lag(now, seconds)  .lagging(now)  .reported(now, key, verdict)  .ours(now)
 
 Seed 003's silent throttling: a receiver that never refuses but answers more slowly the
@@ -20,14 +21,24 @@ FLOOR over it (on loopback a loaded machine's jitter triples a 0.3 ms reply).
 
 Each kind is judged in rounds of ROUND samples of it, counting only those that started
 after the pace last changed (`restart`): a reply in flight then says nothing of the new
-pace. A round is SLOW when SLOW_SHARE of its samples or more are slow, CALM when none is,
-else MIXED; per kind, so that a site which stretches only the reply after the dot is heard
-however many RCPTs or connections come between (and one slow reply in a round is not a
-slowdown). A round whose median rose by RISE, and FLOOR, over the last round of its kind
-(at the pace before) ROSE: gentler than slow, it says whether one step more of load was
-one too many (how TCP Vegas and BBR read a round trip that grows with what is in
-flight). The latency is `calm` while every kind's last round since the pace changed was,
-the dot's included.
+pace. A round is SLOW when SLOW_SHARE of its samples or more are slow, CALM when none is and
+its median is near the baseline, else HIGH (over the baseline, not slow: hold); per kind, so
+that a site which stretches only the reply after the dot is heard however many RCPTs or
+connections come between (and one slow reply in a round is not a slowdown). A round whose
+median rose by RISE, and FLOOR, over the last round of its kind (at the pace before) ROSE:
+gentler than slow, it says whether one step more of load was one too many (how TCP Vegas and
+BBR read a round trip that grows with what is in flight). A round also tells its rate: the
+replies of its kind that arrived over its span, those in flight at a restart included (the
+dot's: the messages accepted).
+
+Near the baseline is within NEAR times it, NEAR_FLOOR over it, or NEAR_DEV times the kind's
+usual excess over it, whichever is most: the excess of a round's median is averaged as TCP
+averages its round trip's variation (DEV_GAIN a near round; DEV_CREEP one that is not, so that a
+host whose replies wander is learned, and a site that stretches them all at once is heard
+first), from the spread of the first round (the pace may be too much already). A reply that
+always comes within 0.25 s is near when it takes 0.27 s; one that takes 80 to 140 ms at random
+is near all the while. The latency is `calm` while every kind's last round since the pace
+changed was, the dot's included.
 
 Our own load is not the destination's (`OwnLoad`): the driver reports how late its event
 loop runs, and a sample is judged without the loop's lag of the last LAG_WINDOW (a reply
@@ -49,6 +60,11 @@ ROUND_TRIPS = ("ehlo", "mail", "rcpt", "data")
 WINDOW = 600.0  # seconds a minimum is kept: longer than a cut takes to show
 _BUCKETS = 5  # the window's minimum is kept in this many slices (constant memory)
 FLOOR = 0.1  # seconds over the baseline before a sample can be slow
+NEAR = 1.1  # a round's median up to this times the baseline is near it, or
+NEAR_FLOOR = 0.01  # seconds over it (a fast reply's jitter), or
+NEAR_DEV = 3.0  # times the kind's usual excess over it
+DEV_GAIN = 0.25  # of a near round's excess, into the usual one
+DEV_CREEP = 1 / 64  # of a high round's (a persistent stretch is heard long before)
 ROUND = 4  # samples of one kind judged together
 SLOW_SHARE = 0.5  # of a round's samples slow: the round is slow
 RISE = 0.5  # a round's median this much over the last round's of its kind: it rose
@@ -60,7 +76,7 @@ CROWD_WINDOW = 60.0
 SLOW = "slow"
 ROSE = "rose"
 CALM = "calm"
-MIXED = "mixed"
+HIGH = "high"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +89,10 @@ class Round:
     slow: int
     ratio: float  # the median of sample / baseline
     rose: bool = False  # its median rose over the last round's of its kind
+    near: bool = True  # its median is near the baseline
+    rate: float = 0.0  # samples a second over the round (the dot's: messages accepted)
+    median: float = 0.0  # seconds
+    previous: float = 0.0  # the median of the last round of its kind before; 0.0: none
 
     @property
     def verdict(self) -> str:
@@ -80,7 +100,7 @@ class Round:
             return SLOW
         if self.rose:
             return ROSE
-        return CALM if self.slow == 0 else MIXED
+        return CALM if self.slow == 0 and self.near else HIGH
 
 
 class _WindowedMin:
@@ -129,6 +149,8 @@ class ReplyLatency:
         self._medians: dict[str, float] = {}  # each kind's last round's median, seconds
         self._slow: Counter[str] = Counter()
         self._verdicts: dict[str, str] = {}  # each kind's last round since the start
+        self._arrived: dict[str, list] = {}  # since its last round: [first one's time, count]
+        self._dev: dict[str, float] = {}  # a round median's usual excess over the baseline
 
     def sample(self, now: float, kind: str, seconds: float, lag: float = 0.0) -> Round | None:
         """A reply of `kind` that took `seconds` (read at `now`, while the loop lagged up to
@@ -138,6 +160,7 @@ class ReplyLatency:
         if kind in ROUND_TRIPS:
             self._round_trips = min(self._round_trips + 1, 2)
         window.add(now, seconds)  # (as measured: the fastest is one the loop did not delay)
+        self._arrived.setdefault(kind, [now, 0])[1] += 1  # (in flight at a restart too)
         if base is None or now - seconds < self._start:
             return None  # the first of its kind, or sent before the pace changed
         judged = max(0.0, seconds - lag)
@@ -149,15 +172,31 @@ class ReplyLatency:
         if len(ratios) < ROUND:
             return None
         del self._ratios[kind]
-        median = sorted(self._seconds.pop(kind))[ROUND // 2]
+        timed = sorted(self._seconds.pop(kind))
+        median, spread = timed[ROUND // 2], timed[-1] - timed[0]
         before, self._medians[kind] = self._medians.get(kind), median
         rose = before is not None and median >= max((1 + RISE) * before, before + FLOOR)
         ratios.sort()
+        near = self._near(kind, median, spread, base, slow=self._slow[kind])
+        first, count = self._arrived.pop(kind)
+        rate = (count - 1) / (now - first) if now > first else 0.0
         slow = self._slow.pop(kind, 0)
-        closed = Round(self._start, kind, len(ratios), slow, ratios[ROUND // 2], rose)
+        ratio, previous = ratios[ROUND // 2], before or 0.0
+        closed = Round(self._start, kind, ROUND, slow, ratio, rose, near, rate, median, previous)
         self._verdicts[kind] = closed.verdict
         self.last = closed
         return closed
+
+    def _near(self, kind: str, median: float, spread: float, base: float, slow: int) -> bool:
+        """Whether a round's `median` is near `base`; learns the kind's usual excess (at
+        first, the `spread` of the round: a site may be stretching them all already)."""
+        excess, dev = median - base, self._dev.get(kind)
+        if dev is None:
+            dev = self._dev[kind] = spread
+        near = excess <= max(NEAR_FLOOR, (NEAR - 1) * base, NEAR_DEV * dev)
+        if not slow:
+            self._dev[kind] = dev + (excess - dev) * (DEV_GAIN if near else DEV_CREEP)
+        return near
 
     @property
     def calm(self) -> bool:
@@ -175,6 +214,7 @@ class ReplyLatency:
         self._seconds.clear()
         self._slow.clear()
         self._verdicts.clear()
+        self._arrived.clear()
 
     def baseline(self, kind: str, now: float) -> float | None:
         return self._minimum[kind].value(now)

@@ -92,6 +92,7 @@ class Learned(msgspec.Struct, frozen=True):
     at: float = 0.0  # the last traffic; decay counts from here
     sessions: int = 0  # connections past which its replies slowed (the knee); 0: none known
     latency: dict[str, float] = {}  # reply-latency baselines by kind (policy/latency.py)
+    paced: float = 0.0  # the rate ceiling latency taught (policy/pace_cap.py); 0: none
 
 
 class Change(msgspec.Struct, frozen=True):
@@ -124,6 +125,7 @@ def decayed(learned: Learned, now: float, start: float = SLOW_START) -> Learned 
         good=good,
         concurrency=learned.concurrency if weight >= 0.25 else 0,
         sessions=learned.sessions if weight >= 0.25 else 0,
+        paced=learned.paced if weight >= 0.25 else 0.0,
     )
 
 
@@ -135,6 +137,7 @@ def kept(learned: Learned, now: float) -> bool:
         current.good > 0
         or current.concurrency > 0
         or current.sessions > 0
+        or current.paced > 0
         or current.rate != SLOW_START
     )
 

@@ -76,6 +76,7 @@ from .breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from .buckets import TokenBucket
 from .concurrency import AdaptiveConcurrency
 from .latency import Round
+from .pace_cap import PaceCap
 from .rate_learner import PROBING, SLOW_STARTING, Change, Learned, RateLearner
 from .replies import PHASES, Reply
 from .slowdown import Slowdown, Slowed
@@ -148,6 +149,7 @@ class DestinationShaper:
             now,
         )
         self.slowdown = Slowdown(shaping.latency_factor, learned, now)
+        self.pace = PaceCap(learned.paced if learned is not None else 0.0, now)
         self.breaker = CircuitBreaker(
             shaping.breaker_failures,
             shaping.breaker_window,
@@ -231,7 +233,7 @@ class DestinationShaper:
         if verdict.outcome == DELIVERED and reply.code:  # not a lost reply taken as delivered
             before = self.concurrency.limit
             if self.concurrency.success(now):
-                self.slowdown.stepped_up(now, before)
+                self.slowdown.stepped_up(now, before, self.pace.rate)
             self.backoff.success(now)
             self.learner.delivered(now, self._rate_ceiling())
             self._answered(now)
@@ -246,7 +248,7 @@ class DestinationShaper:
     def react(self, now: float, closed: Round, ours: bool) -> None:
         """A latency round closed; `ours`: slowness of our own, nothing is cut for it."""
         self._apply(now)
-        if self.slowdown.react(now, closed, ours, self.concurrency, self.learner):
+        if self.slowdown.react(now, closed, ours, self.concurrency, self.pace):
             self._apply(now)
 
     def latency_changes(self) -> list[Slowed]:
@@ -306,6 +308,7 @@ class DestinationShaper:
         the limit it taught and its connection cap. Operator limits and backoff stay."""
         self.learner = RateLearner(now, start=self._start)
         self.concurrency.knee = 0
+        self.pace.reset()
         self._apply(now)
 
     def state(self, now: float) -> ShaperState:
@@ -335,7 +338,7 @@ class DestinationShaper:
             "blocked_by": self.blocked_by,
             "messages_per_minute": self._messages.rate * 60,
             "connections_per_minute": self._connections.rate * 60,
-            "latency": self.slowdown.view(now, self.concurrency),
+            "latency": self.slowdown.view(now, self.concurrency, self.pace),
             "learned": self._learned_view(now),
             "override": None
             if override is None
@@ -352,6 +355,7 @@ class DestinationShaper:
             self.learner.learned(),
             sessions=self.concurrency.knee,
             latency=self.slowdown.saved(now),
+            paced=self.pace.rate,
         )
 
     def changes(self) -> list[Change]:
@@ -437,7 +441,10 @@ class DestinationShaper:
             ceiling = override.concurrency  # the operator knows better than what was learned
         factor = self.backoff.rate_factor(now)
         self.concurrency.cap(max(1, math.floor(ceiling * factor)))
-        self._messages.set_rate(self.learner.limit(self._rate_ceiling()) * factor, now)
+        rate = self.learner.limit(self._rate_ceiling())
+        if self.pace.rate:
+            rate = min(rate, self.pace.rate)
+        self._messages.set_rate(rate * factor, now)
         self._connections.set_rate(self.pacing.connections_per_minute / 60 * factor, now)
 
     def _rate_ceiling(self) -> float:

@@ -252,8 +252,14 @@ def _show_latency(latency: dict, out: TextIO) -> None:
         out.write(f"    last      {last['kind']} replies: {median} ({last['verdict']})\n")
     if latency.get("knee"):
         out.write(f"    knee      {latency['knee']} connections (one more slowed its replies)\n")
+    if latency.get("rate_per_minute"):
+        ceiling = _per_minute(latency["rate_per_minute"])
+        out.write(f"    rate      at most {ceiling} (more stretched its replies)\n")
     if slowed := latency.get("slowed"):
         cut = f"connections {slowed['from']} -> {slowed['to']}"
+        if slowed.get("rate_to") != slowed.get("rate_from"):
+            before = _per_minute(slowed["rate_from"]) if slowed.get("rate_from") else "none"
+            cut = f"rate {before} -> {_per_minute(slowed['rate_to'])}"
         out.write(
             f"  slowed      at {time(slowed['at'])}: the {slowed['kind']} reply"
             f" {slowed['ratio']:.1f}x its baseline, {cut}\n"
