@@ -239,6 +239,16 @@ def test_every_destination_slow_at_once_is_ours():
     assert not load.ours(5.0 + CROWD_WINDOW + 1)  # old rounds say nothing
 
 
+def test_every_destination_a_little_over_its_baseline_at_once_is_ours_too():
+    load = OwnLoad()
+    for at, key in enumerate("abc"):
+        load.reported(float(at), key, HIGH if key != "b" else ROSE)
+    assert load.ours(2.0)  # our uplink, our machine: stretched everywhere
+    load.reported(3.0, "d", CALM)
+    load.reported(4.0, "e", CALM)
+    assert not load.ours(4.0)
+
+
 def test_the_crowd_forgets_destinations_as_they_age():
     load = OwnLoad()
     for i in range(1000):

@@ -808,6 +808,22 @@ def test_the_knee_and_the_baselines_outlive_a_restart():
     assert again.snapshot(now + 60)["latency"]["knee"] == 3
 
 
+def test_the_rate_ceiling_outlives_a_restart_and_forget_drops_it():
+    shaper = shaper_at(pacing=Pacing(max_connections=1, initial_connections=1))
+    now = slow_round(shaper, 0.0, 0.2)
+    now = slow_round(shaper, now, 2.0)  # slow at one connection: a rate ceiling
+    ceiling = shaper.pace.rate
+    assert ceiling > 0
+    learned = rate_learner.decode(rate_learner.encode({"d": shaper.learned(now)}))[0]["d"]
+    assert learned.paced == ceiling
+    again = DestinationShaper(shaper.pacing, SHAPING, now + 60, learned)
+    assert again.snapshot(now + 60)["latency"]["rate_per_minute"] == round(ceiling * 60, 2)
+    assert again.snapshot(now + 60)["messages_per_minute"] == pytest.approx(ceiling * 60)
+    again.forget(now + 61)
+    assert again.pace.rate == 0.0
+    assert again.snapshot(now + 61)["latency"]["rate_per_minute"] is None
+
+
 def test_a_step_up_that_raised_the_replies_steps_back_to_the_knee():
     """Gentler than a slowdown: 0.25 s after the dot at 3 sessions, 0.45 s at 4 (1.8x,
     under latency_factor): the step up was one too many."""

@@ -42,9 +42,10 @@ changed was, the dot's included.
 
 Our own load is not the destination's (`OwnLoad`): the driver reports how late its event
 loop runs, and a sample is judged without the loop's lag of the last LAG_WINDOW (a reply
-read late was not sent late). A slow round is ours, not the destination's, while the loop
-lags FLOOR or more, or when most of the destinations that closed a round in the last
-CROWD_WINDOW (at least CROWD of them) slowed alike: this machine, its network or its DNS.
+read late was not sent late). A round over its baseline is ours, not the destination's,
+while the loop lags FLOOR or more, or when most of the destinations that closed a round in
+the last CROWD_WINDOW (at least CROWD of them) were over theirs alike: this machine, its
+network or its DNS.
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ class OwnLoad:
     def reported(self, now: float, key: str, verdict: str) -> None:
         """Destination `key` closed a round at `now`."""
         self._rounds.pop(key, None)  # (kept in time order: the oldest first)
-        self._rounds[key] = (now, verdict == SLOW)
+        self._rounds[key] = (now, verdict != CALM)  # (over its baseline, a little or more)
         while self._rounds:
             oldest = next(iter(self._rounds))
             if self._rounds[oldest][0] >= now - CROWD_WINDOW:

@@ -305,7 +305,8 @@ class DestinationShaper:
 
     def forget(self, now: float) -> None:
         """Learn the destination anew from the slow start (mtaqueue-ctl forget): its rate,
-        the limit it taught and its connection cap. Operator limits and backoff stay."""
+        the limit it taught, its connection cap, and the knee and rate ceiling its reply
+        latency taught. Operator limits and backoff stay."""
         self.learner = RateLearner(now, start=self._start)
         self.concurrency.knee = 0
         self.pace.reset()
