@@ -6,6 +6,7 @@
     per_session   seconds added to the reply after the final dot per session over comfort
     comfort_rate  messages a second (over the last second) it takes without slowing
     per_rate      seconds added to that reply per time over comfort_rate
+    after         messages it accepts before it slows at all (a site pushed long enough)
     base          seconds before that reply at any load (network and filters)
     steady        seconds before that reply always: a host slow at any load
     banner        the same slowing for the greeting as well
@@ -35,7 +36,9 @@ class SlowPeer:
         host: str = "127.0.0.2",
         comfort_rate: float | None = None,
         per_rate: float = 0.0,
+        after: int = 0,
     ) -> None:
+        self.after = after
         self.comfort, self.per_session = comfort, per_session
         self.comfort_rate, self.per_rate = comfort_rate, per_rate
         self.rates: list[float] = []  # at each acceptance, those of the second before
@@ -63,6 +66,8 @@ class SlowPeer:
 
     def delay(self) -> float:
         """The wait before a slowed reply, at the sessions open now."""
+        if len(self.accepted) < self.after:
+            return self.base
         over = 0 if self.comfort is None else max(0, self._open - self.comfort)
         delay = self.steady + self.base + self.per_session * over
         if self.comfort_rate is not None:

@@ -141,3 +141,14 @@ def test_a_slow_site_is_not_halved_twice_in_one_episode():
             limits.append((now, concurrency.limit))
     assert [limit for _, limit in limits][:2] == [4, 2]
     assert limits[1][0] - limits[0][0] >= SETTLE
+
+
+def test_a_stretch_neither_lever_brings_back_costs_one_cut_of_each():
+    sender = Sender(initial=4, maximum=4)
+    sender.run(20.0, lambda sessions, rate: 0.1)
+    sender.slowdown.changes()
+    sender.run(120.0, lambda sessions, rate: 0.2)  # 0.1 s more at any pace: not the site's
+    cuts = [change for change in sender.slowdown.changes() if change.kind]
+    assert len(cuts) == 2, cuts
+    assert cuts[0].rate_new > 0 and cuts[0].new == cuts[0].old  # the rate first,
+    assert cuts[1].new == cuts[1].old - 1  # then one session; then nothing more

@@ -93,7 +93,8 @@ class Round:
     near: bool = True  # its median is near the baseline
     rate: float = 0.0  # samples a second over the round (the dot's: messages accepted)
     median: float = 0.0  # seconds
-    previous: float = 0.0  # the median of the last round of its kind before; 0.0: none
+    previous: float = 0.0  # the median of the last round of its kind before that was not
+    # slow (a pace it took); 0.0: none
 
     @property
     def verdict(self) -> str:
@@ -148,6 +149,7 @@ class ReplyLatency:
         self._ratios: dict[str, list[float]] = {}  # by kind, of its round so far
         self._seconds: dict[str, list[float]] = {}
         self._medians: dict[str, float] = {}  # each kind's last round's median, seconds
+        self._unslowed: dict[str, float] = {}  # the same, of its last round that was not slow
         self._slow: Counter[str] = Counter()
         self._verdicts: dict[str, str] = {}  # each kind's last round since the start
         self._arrived: dict[str, list] = {}  # since its last round: [first one's time, count]
@@ -182,9 +184,11 @@ class ReplyLatency:
         first, count = self._arrived.pop(kind)
         rate = (count - 1) / (now - first) if now > first else 0.0
         slow = self._slow.pop(kind, 0)
-        ratio, previous = ratios[ROUND // 2], before or 0.0
+        ratio, previous = ratios[ROUND // 2], self._unslowed.get(kind, 0.0)
         closed = Round(self._start, kind, ROUND, slow, ratio, rose, near, rate, median, previous)
         self._verdicts[kind] = closed.verdict
+        if closed.verdict != SLOW:
+            self._unslowed[kind] = median
         self.last = closed
         return closed
 

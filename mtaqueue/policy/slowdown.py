@@ -16,7 +16,7 @@ without an error. What it minds is read from what the last step did (Little's la
   while after a cut, and halving on would end at one connection); a site still over its
   baseline then gets the concurrency or the rate cut again.
 - Over the baseline (SLOW, ROSE or HIGH) right after a step up of the concurrency (and a
-  round of its kind before it, at the level below, to compare with): if the
+  round of its kind before it that was not slow, to compare with): if the
   extra session still brought RATE_GAIN of its share of mail more (by Little's law, the
   sessions over the reply after the dot: from N to N+1 sessions, that reply stretched less
   than (N+1)/(N+RATE_GAIN) times), the site takes sessions and minds the rate: the rate
@@ -25,8 +25,10 @@ without an error. What it minds is read from what the last step did (Little's la
   (policy/pace_cap.py).
 - Dot rounds HIGH at a steady pace (their median stretched, none slow), PERSIST in a row: the
   rate is cut, a margin under what the site took; if they are still stretched SETTLE later,
-  the rate was not it: the concurrency steps back (then the rate again, and so on, until a
-  calm round). Other replies over their baseline, or one dot round, only hold growth.
+  the rate was not it: the concurrency steps back; if neither brought a calm round, the
+  stretch is not one the pace can hold (a loaded machine, a path): nothing more is cut for
+  it until a calm round. Other replies over their baseline, or one dot round, only hold
+  growth.
 
 Both grow back only while every kind's last round was calm (near its baseline), one step a
 round: the rate ceiling while it is what binds (the dot round accepted most of it), else the
@@ -80,7 +82,7 @@ class Slowdown:
         self._high = 0  # dot rounds HIGH in a row since the pace last changed
         self._halved = -SETTLE  # when the concurrency was last halved
         self._steady = -SETTLE  # when stretched replies at a steady pace last cut
-        self._rate_tried = False  # and the rate was cut for them: next, the sessions
+        self._tried = 0  # levers pulled for them since a calm round: the rate, the sessions
 
     def timed(self, now: float, samples: Iterable[tuple[str, float]], lag: float) -> Round | None:
         """Replies timed, as (kind, seconds), read while the event loop lagged up to `lag`:
@@ -120,7 +122,8 @@ class Slowdown:
             return False
         old, old_rate = concurrency.limit, pace.rate
         if closed.verdict == CALM:
-            self._rate_tried = False  # (what was cut last worked)
+            if dot:
+                self._tried = 0  # (what was cut last worked)
             if calm and dot and binds and pace.grow(now):
                 self.latency.restart(now)
                 ratio = closed.ratio
@@ -143,11 +146,13 @@ class Slowdown:
         elif closed.verdict == SLOW or (dot and self._high >= PERSIST):
             if now < self._steady + SETTLE:
                 return False  # the replies of the last cut's episode
-            if self._rate_tried and old > 1:  # the rate was not it: the sessions
+            if closed.verdict != SLOW and self._tried >= 2:
+                return False  # neither lever brought them back: not ours to hold
+            if self._tried % 2 and old > 1:  # the rate was not it: the sessions
                 concurrency.step_back(now)
             elif not pace.cut(now, taken or closed.rate):
                 return False
-            self._rate_tried = concurrency.limit == old
+            self._tried += 1
             self._steady = now
         else:
             return False  # a handshake over its baseline, or one round rising: growth waits
