@@ -45,12 +45,11 @@ from dataclasses import dataclass
 
 from .concurrency import AdaptiveConcurrency
 from .latency import CALM, HIGH, SLOW, ReplyLatency, Round
-from .pace_cap import PaceCap
+from .pace_cap import SETTLE, PaceCap  # (a site's own window: one cut an episode, either lever)
 from .rate_learner import Learned
 
 RATE_GAIN = 0.3  # of one more session's share of mail: what a site minding sessions loses
 PERSIST = 3  # dot rounds HIGH in a row at a steady pace: the rate is what it minds
-SETTLE = 5.0  # seconds after halving the concurrency before halving it again
 TAKEN = 3.0  # seconds of dot replies behind what the site takes (a round's few are a burst)
 
 
