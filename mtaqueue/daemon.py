@@ -24,10 +24,11 @@ import socket
 import sys
 import time
 from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
 
 import uvloop
 
-from . import __version__, config
+from . import __version__, config, memory_trace
 from .alerts import Alerts
 from .api.server import Api, ApiDeps
 from .api.tokens import Tokens
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mtaqueue: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(cfg.log.level, cfg.log.format)
+    memory_trace.install("daemon", Path(cfg.spool.path) / "tracemalloc")
     return uvloop.run(daemon.run())
 
 

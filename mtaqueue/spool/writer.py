@@ -39,6 +39,7 @@ from pathlib import Path
 
 import msgspec
 
+from .. import memory_trace
 from ..dkim.keys import PrivateKey, load_private
 from ..dkim.signature import PendingSignature, fill
 from ..events import derive
@@ -473,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     # group) must not cut a round in half.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    memory_trace.install("writer", Path(args.root) / "tracemalloc")
     sock = socket.socket(fileno=args.fd)
     writer = SpoolWriter(
         Path(args.root), compact_size=args.compact_size, dedupe_window=args.dedupe_window
