@@ -29,6 +29,12 @@ Both have the one subject "review".
 - webhook_backlog: the oldest event a webhook endpoint has not taken is older than `over`
   (the endpoint is down or too slow; at its `max_age` events start being dropped). The
   subject is the webhook's name.
+- memory_growing: a process's resident memory (the subject: "daemon", "writer") kept
+  rising over the last `for` while the queue stayed level: a leak, not load. The window
+  is cut in thirds; each third's median RSS must be above the one before, the last above
+  the first by more than `over`, and the queue's median in the last third no more than
+  10% (and 100 messages) above the first's. A step up after a burst (memory the
+  allocator keeps) is flat after it, so it does not fire; a straight climb does.
 """
 
 from __future__ import annotations
@@ -36,11 +42,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from statistics import median
 
 from .config.alert_rules import (
     AlertRule,
     DeferralRate,
     DepthGrowing,
+    MemoryGrowing,
     OldestAge,
     ReviewOldestAge,
     ReviewSize,
@@ -70,6 +78,8 @@ class Snapshot:
     review_size: int = 0  # messages in the review queue
     review_oldest_age: float = 0.0  # seconds the longest waiting there has waited; 0 = none
     webhooks: Mapping[str, float] = field(default_factory=dict)  # name -> oldest event's age
+    resident: Mapping[str, int] = field(default_factory=dict)  # process -> RSS bytes
+    queued: int = 0  # messages in the queue
 
 
 @dataclass(slots=True)
@@ -81,6 +91,9 @@ class _Growth:
 
 # (time, attempts, deferrals) samples of one destination's counters.
 _History = deque[tuple[float, int, int]]
+# (time, process -> RSS bytes, messages queued) samples, for memory_growing.
+_Memory = deque[tuple[float, Mapping[str, int], int]]
+QUEUE_LEVEL = (1.1, 100)  # "level": at most 10% and 100 messages more than before
 # subject -> (value, whether the condition holds)
 _Measured = dict[str, tuple[float, bool]]
 
@@ -94,6 +107,7 @@ class Alerts:
         self._firing: set[tuple[AlertRule, str]] = set()  # (rule, subject)
         self._counts: dict[str, _History] = {}
         self._growth: dict[str, _Growth] = {}
+        self._memory: _Memory = deque()
         self.reconfigure(rules)
 
     def reconfigure(self, rules: Sequence[AlertRule]) -> list[dict]:
@@ -104,6 +118,10 @@ class Alerts:
         windows = [r.window for r in self.rules if isinstance(r, DeferralRate)]
         self._horizon = max(windows, default=0.0)
         self._tracks_depth = any(isinstance(r, DepthGrowing) for r in self.rules)
+        periods = [r.period for r in self.rules if isinstance(r, MemoryGrowing)]
+        self._memory_horizon = max(periods, default=0.0)
+        if not self._memory_horizon:
+            self._memory.clear()
         if not self._horizon:
             self._counts.clear()
         if not self._tracks_depth:
@@ -114,6 +132,10 @@ class Alerts:
         )
         self._firing.difference_update(gone)
         return [_event(rule, subject, CLEARED, 0) for rule, subject in gone]
+
+    def size(self) -> int:
+        """Samples and histories held (mtaqueue_memory_entries)."""
+        return len(self._counts) + len(self._growth) + len(self._memory)
 
     def active(self) -> list[tuple[str, str]]:
         """(alert name, subject) of every firing alert."""
@@ -161,6 +183,11 @@ class Alerts:
                     growth.last = stats.depth
             for name in self._growth.keys() - destinations.keys():
                 del self._growth[name]
+        if self._memory_horizon:
+            memory = self._memory
+            memory.append((now, snapshot.resident, snapshot.queued))
+            while len(memory) > 1 and memory[1][0] <= now - self._memory_horizon:
+                memory.popleft()
 
     def _measure(self, rule: AlertRule, now: float, snapshot: Snapshot) -> _Measured:
         """Each subject's value, and whether the rule holds for it."""
@@ -196,6 +223,10 @@ class Alerts:
                 for name in _subjects(rule.destination, snapshot.destinations):
                     blocked = snapshot.destinations[name].blocked
                     measured[name] = (int(blocked), blocked)
+            case MemoryGrowing():
+                for name in _subjects(rule.process, snapshot.resident):
+                    grown = _memory_growth(self._memory, name, now - rule.period)
+                    measured[name] = (grown or 0, grown is not None and grown > rule.over)
             case WebhookBacklog():
                 for name in _subjects(rule.webhook, snapshot.webhooks):
                     age = snapshot.webhooks[name]
@@ -230,3 +261,25 @@ def _increase(history: _History, start: float) -> tuple[int, int]:
         base = sample
     newest = history[-1]
     return newest[1] - base[1], newest[2] - base[2]
+
+
+def _memory_growth(memory: _Memory, process: str, start: float) -> int | None:
+    """How much `process`'s RSS rose over the samples since `start`, if it kept rising
+    while the queue stayed level (else None); None too before the samples span the time."""
+    if not memory or memory[0][0] > start:
+        return None
+    samples = [(at, rss[process], queued) for at, rss, queued in memory if process in rss]
+    span = (samples[-1][0] - start) / 3 if samples else 0.0
+    if span <= 0:
+        return None
+    thirds = [
+        [s for s in samples if start + i * span <= s[0] <= start + (i + 1) * span] for i in range(3)
+    ]
+    if not all(thirds):
+        return None
+    rss = [median(s[1] for s in third) for third in thirds]
+    first_queue, last_queue = (median(s[2] for s in thirds[i]) for i in (0, 2))
+    factor, slack = QUEUE_LEVEL
+    if not rss[0] < rss[1] < rss[2] or last_queue > first_queue * factor + slack:
+        return None
+    return int(rss[2] - rss[0])

@@ -153,6 +153,8 @@ class Daemon:
                 relay_of=self.delivery.relay_of,
                 scheduled=self.delivery.scheduled,
                 listener=lambda: self.listener.state() if self.listener is not None else {},
+                processes=self._processes,
+                memory=self._memory_sizes,
             ),
             top_n=cfg.metrics.top_destinations,
         )
@@ -249,7 +251,7 @@ class Daemon:
         )
         watchdog = asyncio.create_task(notifier.watchdog(self.upkeep.healthy))
         sweep = asyncio.create_task(self.upkeep.sweep(report))
-        free_space = asyncio.create_task(self.upkeep.watch_free_space())
+        free_space = asyncio.create_task(self.upkeep.watch())
         alerting = asyncio.create_task(self._evaluate_alerts())
         await self._stop.wait()
 
@@ -381,10 +383,26 @@ class Daemon:
         if not len(tokens):
             log.warning("api_no_tokens", key="api.tokens_file", effect="every request is a 401")
 
+    def _processes(self) -> dict[str, int]:
+        pids = {"daemon": os.getpid()}
+        if self.spool.writer_pid is not None:
+            pids["writer"] = self.spool.writer_pid
+        return pids
+
+    def _memory_sizes(self) -> dict[str, int]:
+        """Entries of the in-memory maps that could grow (mtaqueue_memory_entries)."""
+        return {
+            **self.spool.memory_sizes(),
+            "dns_cache": len(self.resolver.cache),
+            "alert_histories": self.alerts.size(),
+            "listener_sessions": len(self.listener.connections) if self.listener else 0,
+        }
+
     async def _evaluate_alerts(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.alerts.interval)
             if not self.cfg.alerts.rules:
+                self.metrics.forget_gone()
                 continue
             await self.metrics.refresh()
             now = time.time()

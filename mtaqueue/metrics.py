@@ -46,9 +46,11 @@ from .alerts import DestinationStats, Snapshot
 from .control.views import in_review, recipient_state
 from .http_server import HttpServer
 from .logs import get_logger
+from .memory_gauges import memory_families
 from .model import PENDING, Message
 from .policy.breaker import CLOSED, HALF_OPEN, OPEN
 from .policy.verdict import DELIVERED
+from .process_stats import resident_bytes
 from .spool.walk import walk
 
 log = get_logger("metrics")
@@ -82,6 +84,9 @@ class Sources:
     scheduled: Callable[[], Mapping[str, int]] = dict
     # The listener's sessions, stress (0/1) and sessions shed (Listener.state).
     listener: Callable[[], Mapping[str, int]] = dict
+    # Process name -> pid ("daemon", "writer"), and map name -> entries (memory_gauges.py).
+    processes: Callable[[], Mapping[str, int]] = dict
+    memory: Callable[[], Mapping[str, int]] = dict
 
 
 @dataclass(slots=True)
@@ -198,6 +203,14 @@ class Metrics:
         self._series.setdefault(label, set()).add((metric, values))
         return metric.labels(*values)
 
+    def memory_sizes(self) -> dict[str, int]:
+        """The sources' map sizes, with this object's own (routes: recipient domains with
+        mail waiting; destinations: those counted for the deferral alerts)."""
+        sizes = dict(self.sources.memory())
+        sizes["metrics_routes"] = len(self._routes)
+        sizes["metrics_destinations"] = len(self._replies)
+        return sizes
+
     # -- state -----------------------------------------------------------------------------
 
     def snapshot(self, now: float) -> Snapshot:
@@ -217,7 +230,15 @@ class Metrics:
             review_size=shape.queue.review,
             review_oldest_age=_review_age(shape.queue, now),
             webhooks={w["name"]: w["oldest_age"] or 0.0 for w in self.sources.webhooks()},
+            resident={name: resident_bytes(pid) for name, pid in self.sources.processes().items()},
+            queued=len(self.sources.queue()),
         )
+
+    def forget_gone(self) -> None:
+        """Forget the routes and destinations nothing refers to any more, without a new
+        walk (what a scrape or an alert evaluation does as it measures): for a daemon that
+        is neither scraped nor alerting."""
+        self._measure()
 
     def collect(self) -> Iterator[Metric]:
         """Every family, the state read now (the registry calls this on each scrape)."""
@@ -308,6 +329,7 @@ class Metrics:
             alerts.add_metric((name, subject), 1)
         yield alerts
         yield from _webhooks(self.sources.webhooks())
+        yield from memory_families(self.sources.processes(), self.memory_sizes())
         for metric in (self._attempts, self._latency, self._connect):
             yield from metric.collect()
 

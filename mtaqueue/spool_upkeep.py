@@ -2,7 +2,8 @@
 
     upkeep = SpoolUpkeep(spool, started)
     await upkeep.sweep(recovered)      # spool/sweep.py's verdict applied, and logged
-    await upkeep.watch_free_space()    # a task: spool.disk_ok kept current
+    await upkeep.watch()               # a task: spool.disk_ok kept current, the spool's
+                                       # expired keys and suppressions forgotten
     upkeep.stall_limit = seconds       # then upkeep.healthy() for the systemd watchdog
 
 Its events are the daemon's (component `daemon`, docs/logging.md).
@@ -14,6 +15,7 @@ import asyncio
 import time
 
 from .logs import get_logger
+from .spool.expiring import prune_period
 from .spool.store import RecoveryReport, Spool
 from .spool.sweep import sweep
 
@@ -78,10 +80,14 @@ class SpoolUpkeep:
                 missing=missing[:DETAIL_MAX],
             )
 
-    async def watch_free_space(self) -> None:
-        # Commits refresh it too; this catches a disk filled by someone else.
+    async def watch(self) -> None:
+        # Commits refresh the free space too; this catches a disk filled by someone else.
+        prune_at = 0.0
         while True:
             await asyncio.sleep(2.0)
+            if time.monotonic() >= prune_at:
+                prune_at = time.monotonic() + prune_period(self.spool.dedupe_window)
+                self.spool.prune(time.time())
             was_ok = self.spool.disk_ok
             self.spool.refresh_free_space()
             if was_ok != self.spool.disk_ok:

@@ -16,6 +16,7 @@ from mtaqueue.alerts import (
     DeferralRate,
     DepthGrowing,
     DestinationStats,
+    MemoryGrowing,
     OldestAge,
     ReviewOldestAge,
     ReviewSize,
@@ -202,8 +203,8 @@ def test_a_destination_that_refused_our_address_alerts_until_it_takes_mail_again
     assert states(events) == [("sender_blocked", "mx.example.org", CLEARED)]
 
 
-def test_the_shipped_default_alerts_on_a_blocked_sender():
-    assert config.Config().alerts.rules == [SenderBlocked()]
+def test_the_shipped_default_alerts_on_a_blocked_sender_and_a_leak():
+    assert config.Config().alerts.rules == [SenderBlocked(), MemoryGrowing()]
 
 
 def test_rules_decode_from_the_config_with_its_units():
@@ -283,3 +284,65 @@ def test_alerts_alternate_firing_and_cleared(steps):
             assert event["state"] == expected, (key, event)
             last[key] = event["state"]
         assert alerts.active() == sorted(k for k, state in last.items() if state == FIRING)
+
+
+MIB = 2**20
+
+
+def memory(rss: dict[str, int], queued: int) -> Snapshot:
+    return Snapshot({}, {}, 10 * GIB, resident=rss, queued=queued)
+
+
+def run_memory(rule: MemoryGrowing, daemon, writer, queued, minutes: int) -> list[dict]:
+    """An evaluation a minute; each series is a function of the minute."""
+    alerts, events = Alerts([rule]), []
+    for m in range(minutes + 1):
+        rss = {"daemon": daemon(m), "writer": writer(m)}
+        events += alerts.evaluate(60.0 * m, memory(rss, queued(m)))
+    return events
+
+
+def test_memory_that_keeps_rising_while_the_queue_is_level_fires_for_that_process():
+    rule = MemoryGrowing(over=64 * MIB, period=3600.0)
+    events = run_memory(
+        rule,
+        daemon=lambda m: 100 * MIB + m * 2 * MIB,  # +120 MiB an hour, straight
+        writer=lambda m: 50 * MIB,
+        queued=lambda m: 200 + m % 7,
+        minutes=90,
+    )
+    assert states(events)[0] == ("memory_growing", "daemon", FIRING)
+    assert {e["subject"] for e in events} == {"daemon"}
+    assert events[0]["value"] > 64 * MIB and events[0]["threshold"] == 64 * MIB
+
+
+def test_a_step_after_a_burst_or_memory_that_follows_the_queue_does_not_fire():
+    rule = MemoryGrowing(over=64 * MIB, period=3600.0)
+    step = run_memory(  # a burst at minute 30: the allocator keeps the memory, flat after
+        rule,
+        daemon=lambda m: 100 * MIB if m < 30 else 300 * MIB,
+        writer=lambda m: 50 * MIB,
+        queued=lambda m: 200,
+        minutes=180,
+    )
+    assert step == []
+    load = run_memory(  # memory rises with the queue: load, not a leak
+        rule,
+        daemon=lambda m: 100 * MIB + m * 2 * MIB,
+        writer=lambda m: 50 * MIB,
+        queued=lambda m: 200 + m * 1000,
+        minutes=180,
+    )
+    assert load == []
+
+
+def test_memory_growing_waits_for_its_window():
+    rule = MemoryGrowing(over=64 * MIB, period=3600.0)
+    early = run_memory(
+        rule,
+        daemon=lambda m: 100 * MIB + m * 10 * MIB,
+        writer=lambda m: 50 * MIB,
+        queued=lambda m: 200,
+        minutes=59,  # not an hour of samples yet
+    )
+    assert early == []

@@ -397,10 +397,10 @@ def test_a_key_is_its_tenants_own(tmp_path):
     assert applied(applied(recs).snapshot()).keys == expected
 
 
-def test_forget_keys_before():
+def test_forget_keys_created_before_a_time():
     old, new = Put(message(IDS[0], "old", 10.0)), Put(message(IDS[1], "new", 20.0))
     state = applied([old, new, Delete(IDS[0], "delivered"), KeyKept("kept", IDS[2], 30.0)])
-    state.forget_keys_before(20.0)
+    state.forget_before(0.0, 20.0)
     assert state.keys == {"new": (IDS[1], 20.0), "kept": (IDS[2], 30.0)}
     assert SnapshotDone() == list(state.snapshot())[-1]
 
@@ -408,10 +408,10 @@ def test_forget_keys_before():
 @given(st.lists(records, max_size=30), created_times)
 def test_a_snapshot_after_forgetting_brings_back_only_stale_keys(recs, t):
     state = applied(recs)
-    state.forget_keys_before(t)
+    state.forget_before(0.0, t)
     rebuilt = applied(state.snapshot())
     assert rebuilt.messages == state.messages
-    rebuilt.forget_keys_before(t)
+    rebuilt.forget_before(0.0, t)
     assert rebuilt.keys == state.keys
 
 
@@ -426,7 +426,7 @@ def test_suppression_list_survives_replay_and_compaction(tmp_path):
         writer.append(encode(rec))
     state = replay(tmp_path).state
     assert set(state.suppressed) == {"gone@example.org", "old@example.org"}
-    state.forget_suppressions_before(1000.0)  # old@ ended before then
+    state.forget_before(1000.0, 0.0)  # old@ ended before then
     journal.compact(writer, state)
     writer.close()
     after = replay(tmp_path).state

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import urllib.error
@@ -68,6 +69,8 @@ class State:
             alerts=lambda: self.alerts,
             relay_of=relay_of,
             scheduled=lambda: self.scheduled,
+            processes=lambda: {"daemon": os.getpid()},
+            memory=lambda: {"idempotency_keys": 3},
         )
         return Metrics(sources, top_n=top_n, clock=lambda: NOW)
 
@@ -409,3 +412,18 @@ def test_the_shipped_rules_and_dashboard_use_only_metrics_we_serve():
     used = {name for expr in exprs for name in re.findall(r"\bmtaqueue_[a-z_]+", expr)}
     assert used, "no metric found in the shipped files"
     assert used <= served, used - served
+
+
+def test_memory_gauges_show_each_process_and_map_and_forget_gone_routes():
+    state = State()
+    metrics = state.metrics()
+    msg = message("A", "p1", 1, ("a@gmail.com", QUEUED))
+    metrics.observe_delivery(delivery_event(msg, 0, "data_end", 250, "2.0.0 OK", GMAIL))
+    assert metrics.memory_sizes()["metrics_routes"] == 1
+    metrics.forget_gone()  # nothing waits for gmail.com: no scrape, no alerts, still gone
+    assert metrics.memory_sizes()["metrics_routes"] == 0
+    served = samples(metrics)
+    daemon, keys = frozenset({("process", "daemon")}), frozenset({("map", "idempotency_keys")})
+    assert served["mtaqueue_process_resident_bytes", daemon] > 0
+    assert served["mtaqueue_memory_entries", keys] == 3
+    assert served["mtaqueue_process_tasks", frozenset()] >= 0

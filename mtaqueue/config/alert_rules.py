@@ -1,5 +1,6 @@
 """[[alerts.rules]] tables: `AlertRule` is one of `OldestAge`, `DeferralRate`, `DepthGrowing`,
-`SpoolFree`, `ReviewSize`, `ReviewOldestAge`, `WebhookBacklog`, picked by the `type` key.
+`SpoolFree`, `ReviewSize`, `ReviewOldestAge`, `WebhookBacklog`, `SenderBlocked`,
+`MemoryGrowing`, picked by the `type` key.
 
 Each rule has a `threshold`, the value its alert events quote; what the rules mean and how
 they are evaluated is alerts.py's.
@@ -9,7 +10,7 @@ from typing import Annotated
 
 import msgspec
 
-from .units import Duration, Size
+from .units import Duration, Size, duration, size
 
 
 class _Rule(
@@ -90,6 +91,16 @@ class SenderBlocked(_Rule, frozen=True, kw_only=True, tag="sender_blocked"):
         return 0
 
 
+class MemoryGrowing(_Rule, frozen=True, kw_only=True, tag="memory_growing"):
+    process: str = "*"  # "daemon", "writer" or "*" = each
+    over: Size = size("64MiB")  # grown by more than this over `for`
+    period: Duration = msgspec.field(name="for", default=duration("6h"))
+
+    @property
+    def threshold(self) -> float:
+        return self.over
+
+
 AlertRule = (
     OldestAge
     | DeferralRate
@@ -99,4 +110,5 @@ AlertRule = (
     | ReviewOldestAge
     | WebhookBacklog
     | SenderBlocked
+    | MemoryGrowing
 )

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .alert_rules import AlertRule, SenderBlocked
+from .alert_rules import AlertRule, MemoryGrowing, SenderBlocked
 from .delivery_schema import (
     DEFAULT_CLASSES,
     ClassConfig,
@@ -79,7 +79,9 @@ class MetricsConfig(Table):
 class AlertsConfig(Table):
     interval: Duration = duration("30s")
     # A site refusing our address is never a thing to find out from a queue's depth.
-    rules: list[AlertRule] = msgspec.field(default_factory=lambda: [SenderBlocked()])
+    rules: list[AlertRule] = msgspec.field(
+        default_factory=lambda: [SenderBlocked(), MemoryGrowing()]
+    )
 
 
 class LogConfig(Table):

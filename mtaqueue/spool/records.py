@@ -19,6 +19,8 @@ from collections.abc import Iterator, Mapping
 import msgspec
 
 from mtaqueue.model import Message
+from mtaqueue.spool.expiring import Expiring
+from mtaqueue.spool.key_index import KeyIndex
 
 
 class Put(msgspec.Struct, tag=0, array_like=True, frozen=True, gc=False):
@@ -188,10 +190,19 @@ class MessageMap(Mapping[str, Message]):
         return iter(self._data.values())
 
 
+def _until(entry: Suppress) -> float:
+    return entry.until
+
+
+def suppressions() -> Expiring[str, Suppress]:
+    """Suppressions by address (lower case), forgotten once ended."""
+    return Expiring(_until)
+
+
 class JournalState:
     """Live messages by queue id, and idempotency keys (`dedupe_key` -> (queue id, created)).
 
-    Keys outlive their messages until `forget_keys_before` drops them, so whoever
+    Keys outlive their messages until `forget_before` drops them, so whoever
     checks a key must still compare its `created` with the dedupe window.
 
     `deleted` holds the tombstones: messages whose Delete was read, by id (-> reason).
@@ -207,8 +218,8 @@ class JournalState:
         self.last_event_seq = 0
         self.noted_after = noted_after
         self.noted: list[bytes] = []
-        self.keys: dict[str, tuple[str, float]] = {}
-        self.suppressed: dict[str, Suppress] = {}  # address (lower case) -> entry
+        self.keys = KeyIndex()
+        self.suppressed = suppressions()  # address (lower case) -> entry
         self.deleted: dict[str, str] = {}
         self._unsuppressed: set[str] = set()  # whose last record read is an Unsuppress
 
@@ -224,7 +235,7 @@ class JournalState:
             self.messages.pop(rec.id)
             self.deleted[rec.id] = rec.reason
         elif type(rec) is KeyKept:
-            self._keep(rec.key, rec.id, rec.created)
+            self.keys.keep(rec.key, rec.id, rec.created)
         elif type(rec) is Suppress:
             self.suppressed[rec.address] = rec
             self._unsuppressed.discard(rec.address)
@@ -253,9 +264,9 @@ class JournalState:
             self.messages.pop(queue_id)
             self.deleted[queue_id] = reason
         for key, (queue_id, created) in newer.keys.items():
-            self._keep(key, queue_id, created)
+            self.keys.keep(key, queue_id, created)
         self.suppressed.update(newer.suppressed)
-        self._unsuppressed -= newer.suppressed.keys()
+        self._unsuppressed.difference_update(newer.suppressed)
         for address in newer._unsuppressed:
             self.suppressed.pop(address, None)
         self._unsuppressed |= newer._unsuppressed
@@ -277,34 +288,25 @@ class JournalState:
             self.deleted.pop(head.id, None)
         key = head.dedupe_key
         if key is not None:
-            self._keep(key, head.id, head.created)
+            self.keys.keep(key, head.id, head.created)
         return False
 
     def _put(self, queue_id: str, data: bytes, key: str | None, created: float) -> None:
         self.messages.put_encoded(queue_id, data)
         self.deleted.pop(queue_id, None)
         if key is not None:
-            self._keep(key, queue_id, created)
+            self.keys.keep(key, queue_id, created)
 
-    def _keep(self, key: str, queue_id: str, created: float) -> None:
-        # Once a window has passed, the same key may be accepted again as a new
-        # message. A later update of the older message must not take the key back,
-        # so the newest message holding a key keeps it, whatever the record order.
-        held = self.keys.get(key)
-        if held is None or (created, queue_id) >= (held[1], held[0]):
-            self.keys[key] = (queue_id, created)
+    def forget_before(self, t: float, keys_before: float) -> None:
+        """Drop suppressions that ended before t and keys created before `keys_before`
+        (their dedupe window has closed).
 
-    def forget_keys_before(self, t: float) -> None:
-        """Drop keys created before t (their dedupe window has closed).
-
-        Not journaled by itself: until the next compaction a replay brings such keys
-        back, and the key of a still-live message always comes back with its Put.
+        Not journaled by itself: until the next compaction a replay brings them back
+        (and drops them again), and the key of a still-live message always comes back
+        with its Put.
         """
-        self.keys = {k: v for k, v in self.keys.items() if v[1] >= t}
-
-    def forget_suppressions_before(self, t: float) -> None:
-        """Drop suppressions that ended before t (replay may bring them back, as above)."""
-        self.suppressed = {a: e for a, e in self.suppressed.items() if e.until >= t}
+        self.keys.forget_before(keys_before)
+        self.suppressed.forget_before(t)
 
     def snapshot(self) -> Iterator[Record | Stored]:
         """The records of a snapshot of the state, one at a time (the state must not

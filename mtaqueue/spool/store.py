@@ -4,6 +4,7 @@
     report = await spool.open()          # RecoveryReport; raises SpoolLocked, StorageError
     spool.accept(message, content) / incoming(message) / adopt / update / remove / emit
     spool.suppress / unsuppress / suppression, show(message), content(queue_id)
+    spool.prune(now)                     keys past the dedupe window, ended suppressions
     spool.messages, finished, keys, suppressed, ids, layout, refusal, free_bytes, ...
     await spool.close(timeout)
 
@@ -35,9 +36,10 @@ from . import journal
 from .errors import DISK_LOW, WRITER_DOWN, SpoolLocked, StorageError, StorageFull
 from .finished import Finished, end_state
 from .incoming import ContentSigner, IncomingMessage
+from .key_index import KeyIndex
 from .layout import SpoolLayout
 from .message_file import read_content
-from .records import MessageMap, Suppress, Unsuppress, dedupe_key
+from .records import MessageMap, Suppress, Unsuppress, dedupe_key, suppressions
 from .writer import FULL, Accept, Adopt, Emit, Op, Place, Remove, Update
 from .writer_link import Answer, WriterLink
 
@@ -73,8 +75,8 @@ class Spool:
         self.dedupe_window = dedupe_window
         self.messages = MessageMap()  # the queue, held encoded (records.py)
         self.finished = Finished()  # how recent messages left it (finished.py)
-        self.keys: dict[str, tuple[str, float]] = {}  # dedupe_key -> (id, created)
-        self.suppressed: dict[str, Suppress] = {}  # lower-cased address -> entry
+        self.keys = KeyIndex()  # dedupe_key -> (id, created)
+        self.suppressed = suppressions()  # lower-cased address -> entry
         self.ids = IdGenerator()
         self.free_bytes = 0
         self.disk_ok = True  # above spool.min_free
@@ -287,6 +289,25 @@ class Spool:
     def unsuppress(self, address: str) -> asyncio.Future:
         return self._writer.send(Unsuppress(address.lower()))
 
+    @property
+    def writer_pid(self) -> int | None:
+        return self._writer.pid
+
+    def memory_sizes(self) -> dict[str, int]:
+        """Entries of the spool's in-memory maps, by name (mtaqueue_memory_entries)."""
+        return {
+            "queue_messages": len(self.messages),
+            "idempotency_keys": len(self.keys),
+            "suppressions": len(self.suppressed),
+            "finished": len(self.finished),
+        }
+
+    def prune(self, now: float) -> None:
+        """Forget the idempotency keys whose window has closed and the suppressions that
+        have ended (the writer forgets them too: SpoolWriter.prune)."""
+        self.keys.forget_before(now - self.dedupe_window)
+        self.suppressed.forget_before(now)
+
     def suppression(self, address: str, now: float) -> Suppress | None:
         """The active suppression of an address, if any."""
         entry = self.suppressed.get(address.lower())
@@ -362,7 +383,7 @@ class Spool:
             self.messages.put(message)
             key = dedupe_key(message.idempotency_key, message.tenant)
             if key is not None:
-                self.keys[key] = (message.id, message.created)
+                self.keys.keep(key, message.id, message.created)
             if self.on_commit is not None:
                 self.on_commit(message)
 

@@ -49,6 +49,7 @@ from ..model import Message
 from . import journal
 from .durable import fsync_dir, fsync_path, is_disk_full, write_all
 from .event_log import EventLogWriter
+from .expiring import prune_period
 from .layout import SpoolLayout
 from .message_file import file_parts
 from .records import Delete, JournalState, Noted, Put, Record, Suppress, Unsuppress
@@ -159,6 +160,7 @@ class SpoolWriter:
                 fsync_path(path)
         self.journal = journal.JournalWriter(self.layout.journal)
         self._base_size = 0  # journal size right after the last compaction
+        self._prune_at = 0.0  # time.monotonic() of the next prune
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="spool-io")
         self._keys: dict[str, PrivateKey | str] = {}  # DKIM key id -> key, or why not
         # Merge the segments left by earlier runs, and rewrite a damaged journal. A
@@ -251,6 +253,8 @@ class SpoolWriter:
                     self.layout.message_path(rec.id).unlink(missing_ok=True)
         if self.journal.size > max(self.compact_size, 2 * self._base_size):
             self.compact()
+        elif time.monotonic() >= self._prune_at:
+            self.prune()
         return outcomes
 
     def _events(
@@ -379,11 +383,17 @@ class SpoolWriter:
                     outcomes[i] = _outcome(exc)
                     written.remove(i)
 
-    def compact(self) -> None:
+    def prune(self) -> None:
+        """Forget what a compaction would (tombstones whose files are gone for good, keys
+        of closed windows, ended suppressions) without one: the writer's memory follows
+        the queue, not how far the journal is from its compaction size."""
         now = time.time()
+        self._prune_at = time.monotonic() + prune_period(self.dedupe_window)
         self._bury()
-        self.state.forget_keys_before(now - self.dedupe_window)
-        self.state.forget_suppressions_before(now)
+        self.state.forget_before(now, now - self.dedupe_window)
+
+    def compact(self) -> None:
+        self.prune()
         try:
             self.events.sync()  # the journal's copy of the events goes with the compaction
             journal.compact(self.journal, self.state)

@@ -96,6 +96,11 @@ class WriterLink:
         down = now - self._down_since if self._down_since is not None else 0.0
         return max(waiting, down)
 
+    @property
+    def pid(self) -> int | None:
+        """The writer process's, while one runs."""
+        return None if self._process is None else self._process.pid
+
     # -- the writer process ------------------------------------------------------------
 
     async def start(self) -> None:
