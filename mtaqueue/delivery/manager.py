@@ -11,6 +11,7 @@ the daemon, mtaqueue-ctl and the API use.
     .warmups(address) / .move_warmup(address, name, to_first)
     .domains() / .view() / .waiting_for(message_id) / .relay_of(message)
     .scheduled() -> {reason: count}                          schedules by reason (metrics)
+    .memory_sizes() -> {map: entries}                       in-memory maps' sizes (metrics)
     .on_delivery / .on_connect / .sign_notice                 hooks: metrics, DKIM
     .tls_reports
 
@@ -243,6 +244,23 @@ class DeliveryManager:
     def scheduled(self) -> dict[str, int]:
         """How often a message went (back) into the scheduled queue, by reason."""
         return dict(self.core.inserted)
+
+    def memory_sizes(self) -> dict[str, int]:
+        """Entries of each in-memory map that could grow with destinations, hosts, tenants
+        or messages, by a stable name (docs/architecture.md, "What is kept in memory")."""
+        tallies = self._reports.counts.days.values()
+        return {
+            **self.registry.sizes(),
+            **self.core.admission.sizes(),
+            **self.active.sizes(),
+            **self._sts.sizes(),
+            **self.egress.sizes(),
+            "host_suspensions": len(self.hosts),
+            "tls_report_tallies": sum(len(domains) for domains in tallies),
+            "warm_waits": len(self.placement.warm),
+            "revalidation_passes": len(self.revalidation),
+            "latency_rounds": len(self.core.load),
+        }
 
     def relay_of(self, message: Message) -> str | None:
         """The smarthost (destination key) all of a message goes to, or None."""

@@ -4,6 +4,16 @@ HTTPS fetch of the policy (aiohttp), the cache in memory and in the state file.
 The decisions are policy/mta_sts.py's. Looked up when a recipient domain's MX route is
 (placement.resolve), off the delivery hot path: once per domain while its policy is cached,
 and one fetch shared by every delivery that needs it.
+
+    Policies(cfg, context, resolver, state, clock)
+    .applied(domain) -> Applied | None (async)   the policy a delivery goes by
+    .load() / .close() (async) / .reconfigure(cfg, context)
+    .prune(now)          expired policies and past failure marks go (the upkeep's sweep)
+    .sizes() -> {name: entries}
+
+In memory: each domain's policy until it expires (max_age, at most a year: RFC 8461
+keeps an enforce policy that long), at most CACHE_KEPT of them (those fetched longest
+ago go first); a failed fetch's mark for FETCH_RETRY.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ log = get_logger("delivery")
 # After a failed fetch, deliveries go by what is cached for this long before the next
 # try: a policy host that is down is not asked again by every message.
 FETCH_RETRY = 60.0
+# Policies cached at most: a year of max_age over every domain ever mailed is too many.
+CACHE_KEPT = 50_000
 
 _STATE = msgspec.json.Decoder(dict[str, Policy])
 
@@ -118,6 +130,16 @@ class Policies:
         if decided is None or decided.mode == NONE:
             return None
         return Applied(domain, decided.mode, decided.mx, decided.id, decided.max_age)
+
+    def prune(self, now: float) -> None:
+        self._failed = {d: t for d, t in self._failed.items() if t > now}
+        cache = [(d, p) for d, p in self._cache.items() if not p.expired(now)]
+        if len(cache) > CACHE_KEPT:
+            cache = sorted(cache, key=lambda entry: entry[1].fetched)[-CACHE_KEPT:]
+        self._cache = dict(cache)
+
+    def sizes(self) -> dict[str, int]:
+        return {"mta_sts_policies": len(self._cache), "mta_sts_failures": len(self._failed)}
 
     async def _shared_fetch(self, domain: str, ident: str) -> Policy | None:
         task = self._in_flight.get(domain)

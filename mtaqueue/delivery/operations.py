@@ -178,13 +178,13 @@ class Operations:
         def apply(shaper: DestinationShaper, now: float) -> None:
             shaper.override(now, rate_per_minute=rate, concurrency=concurrency, until=until)
 
-        return self._steer(name, apply)
+        return self._steer(name, apply, until)
 
     def backoff(self, name: str, until: float) -> int:
         def apply(shaper: DestinationShaper, now: float) -> None:
             shaper.force_backoff(now, until)
 
-        return self._steer(name, apply)
+        return self._steer(name, apply, until)
 
     def forget_learned(self, name: str) -> int:
         return self.registry.forget_learned(name, self.driver.now())
@@ -248,10 +248,11 @@ class Operations:
             self.driver.perform(self.driver.core.tick(now, *keys))
         return keys
 
-    def _steer(self, name: str, apply: Steer) -> int:
-        """Apply to matching destinations now, and to one that appears later."""
+    def _steer(self, name: str, apply: Steer, until: float | None) -> int:
+        """Apply to matching destinations now, and to one that appears later (until
+        `until`, if it ends)."""
         now = self.driver.now()
-        keys = self.registry.steer(name, apply, now)
+        keys = self.registry.steer(name, apply, now, until)
         # Idle connections over a lowered limit close; a raised one may open more.
         self.driver.perform(self.driver.core.tick(now, *keys))
         return len(keys)

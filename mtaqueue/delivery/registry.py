@@ -7,6 +7,10 @@
     .configure(cfg, relays_by_key, smarthosts, now)   a start or a reload: new pacing
     .create(key, domain, route, relay, now, source) -> Destination
     .retire(destination, now)                 forget one with nothing to do or remember
+    .tidy(destination)                        drop its mail that is done; its domains past
+                                              DOMAINS_KEPT to those with mail there
+    .prune(now)                               drop standing steers whose time is over
+    .sizes() -> {name: entries}               its maps' sizes (memory_sizes)
     .relay_named(key) -> Relay | None         the smarthost a destination key is
     .matching(name) -> [Destination]          an operator's name (key, or a domain)
     .steer(name, apply, now) -> [key]         a limit or backoff, now and for later ones
@@ -15,7 +19,8 @@
     .domains(now, sender, egress) -> [dict]   state of each live destination
 
 A destination appears when mail is routed to it and goes when it is quiet; its learned
-limits outlive it (rate_learner.kept decides for how long).
+limits outlive it (rate_learner.kept decides for how long: at most FORGET, 7 days, without
+traffic), LEARNED_KEPT of them at most, those with the latest traffic.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from collections.abc import Callable
 
 from .. import config
 from ..logs import get_logger
-from ..model import PENDING
+from ..model import PENDING, Message
 from ..policy import rate_learner
 from ..policy.egress import EgressState
 from ..policy.pacing_rules import pacing_for, stated_rate
@@ -44,6 +49,15 @@ log = get_logger("delivery")
 
 Steer = Callable[[DestinationShaper, float], None]
 
+# Remembered lessons of destinations not live, at most (the latest traffic kept): a
+# returning destination starts wisely, but a daemon that met a million domains in a
+# week must not hold them all.
+LEARNED_KEPT = 50_000
+# Domains a live destination remembers serving before the sweep cuts them back to those
+# with mail there: one MX set (a hosting provider's) serves countless domains, and a busy
+# destination is never retired.
+DOMAINS_KEPT = 1_000
+
 
 class Registry:
     def __init__(self, core: Scheduler, spool: Spool) -> None:
@@ -52,7 +66,7 @@ class Registry:
         self.destinations: dict[str, Destination] = {}
         self.learned: dict[str, rate_learner.Learned] = {}
         self.out_of_step = OutOfStep()
-        self._overrides: dict[str, Steer] = {}
+        self._overrides: dict[str, tuple[Steer, float | None]] = {}  # name -> (steer, until)
         self._relays_by_key: dict[str, Relay] = {}
         self._smarthosts: dict[str, Smarthost] = {}
 
@@ -138,7 +152,7 @@ class Registry:
         )
         for name in (key, destination.base, domain) if domain else (key, destination.base):
             if name in self._overrides:
-                self._overrides[name](destination.shaper, now)
+                self._overrides[name][0](destination.shaper, now)
         self.destinations[key] = destination
         self.core.add_destination(key, shaper, pacing)
         return destination
@@ -164,24 +178,34 @@ class Registry:
         """Whether a message routed to the destination still has a recipient pending there;
         forgets those that have none."""
         for message_id in list(destination.waiting):
-            message = self.spool.messages.get(message_id)
-            if message is not None and any(
-                r.state in PENDING
-                and (destination.relay is not None or domain_of(r.address) in destination.domains)
-                for r in message.recipients
-            ):
+            if _pending_at(destination, self.spool.messages.get(message_id)):
                 return True
             destination.waiting.discard(message_id)
         return False
 
+    def tidy(self, destination: Destination) -> None:
+        """Forget the messages routed to a live destination that have nothing pending there
+        (a busy destination is never retired, and would keep every id it ever carried); past
+        DOMAINS_KEPT domains, keep those its waiting mail is for, and the one its pacing
+        rules match on."""
+        domains: set[str] = set()
+        for message_id in list(destination.waiting):
+            pending = _pending_at(destination, self.spool.messages.get(message_id))
+            if pending:
+                domains |= pending
+            else:
+                destination.waiting.discard(message_id)
+        if len(destination.domains) > DOMAINS_KEPT:
+            destination.domains = domains | {_domain_of(destination)}
+
     def matching(self, name: str) -> list[Destination]:
         return [d for d in self.destinations.values() if named(d, name)]
 
-    def steer(self, name: str, apply: Steer, now: float) -> list[str]:
-        """Apply to matching destinations now, and to one that appears later; the keys
-        of those it applied to."""
+    def steer(self, name: str, apply: Steer, now: float, until: float | None = None) -> list[str]:
+        """Apply to matching destinations now, and to one that appears later (until
+        `until`, if it ends); the keys of those it applied to."""
         name = name.lower()
-        self._overrides[name] = apply
+        self._overrides[name] = (apply, until)
         matched = self.matching(name)
         for destination in matched:
             apply(destination.shaper, now)
@@ -201,15 +225,39 @@ class Registry:
             log.info("learned_forgotten", destination=key)
         return len(keys)
 
+    def prune(self, now: float) -> None:
+        """Drop the standing steers whose time is over (a limit or backoff until then):
+        one that appears later has nothing left to take from them."""
+        self._overrides = {
+            name: (apply, until)
+            for name, (apply, until) in self._overrides.items()
+            if until is None or until > now
+        }
+
     def learned_data(self, now: float) -> bytes:
         """The state file: live destinations' lessons over the remembered ones, without
-        those forgotten by now or that taught nothing."""
+        those forgotten by now or that taught nothing; of the remembered, LEARNED_KEPT at
+        most, the latest traffic first."""
         live = {key: d.shaper.learned(now) for key, d in self.destinations.items()}
-        learned = {**self.learned, **live}
-        self.learned = {
-            key: lesson for key, lesson in learned.items() if rate_learner.kept(lesson, now)
-        }
+        kept = rate_learner.kept
+        gone = [(k, v) for k, v in self.learned.items() if k not in live and kept(v, now)]
+        if len(gone) > LEARNED_KEPT:
+            gone = sorted(gone, key=lambda entry: entry[1].at)[-LEARNED_KEPT:]
+        remembered = dict(gone)
+        self.learned = remembered | {k: v for k, v in live.items() if kept(v, now)}
         return rate_learner.encode(self.learned, self.out_of_step.state(now))
+
+    def sizes(self) -> dict[str, int]:
+        """Entries of its maps, by a stable name (DeliveryManager.memory_sizes)."""
+        live = self.destinations.values()
+        return {
+            "destinations": len(self.destinations),
+            "destination_messages": sum(len(d.waiting) for d in live),
+            "destination_domains": sum(len(d.domains) for d in live),
+            "learned": len(self.learned),
+            "steers": len(self._overrides),
+            "pipelining_hosts": len(self.out_of_step),
+        }
 
     def domains(self, now: float, sender: Sender, egress: EgressState) -> list[dict]:
         """The live destinations' state (for metrics and `mtaqueue-ctl domains`)."""
@@ -232,6 +280,14 @@ def _domain_of(destination: Destination) -> str:
     if destination.relay is not None:
         return ""
     return min(destination.domains) if destination.domains else destination.key
+
+
+def _pending_at(destination: Destination, message: Message | None) -> set[str]:
+    """The domains of `message`'s recipients still pending at `destination`."""
+    if message is None:
+        return set()
+    pending = {domain_of(r.address) for r in message.recipients if r.state in PENDING}
+    return pending if destination.relay is not None else pending & destination.domains
 
 
 def named(destination: Destination, name: str) -> bool:

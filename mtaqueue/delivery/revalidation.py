@@ -49,6 +49,10 @@ class Revalidation:
         self._session: aiohttp.ClientSession | None = None
         self.reconfigure(cfg)
 
+    def __len__(self) -> int:
+        """Go-aheads remembered (stale ones go once they double, see `_pass`)."""
+        return len(self._passed)
+
     def reconfigure(self, cfg: config.Config) -> None:
         """Take new settings (start, or a reload); raises ConfigError, changing nothing, when
         the secret file cannot be read."""

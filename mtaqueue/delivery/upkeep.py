@@ -4,6 +4,7 @@
     .load()                      learned.json and egress.json, at start
     .run() (async)               every EXPIRY_CHECK seconds until the stop
     .expire(now) (async)         expire mail whose lifetime has passed
+    .prune(now)                  forget what expired in the rooms' maps (each sweep)
     .save(now)                   both state files, at the stop
 
 A state file that cannot be read starts its state over (nothing is lost: learning and
@@ -84,12 +85,13 @@ class Upkeep:
             # bounced, expired) or whose stats window passed are forgotten here.
             now = driver.now()
             for destination in list(self.registry.destinations.values()):
+                self.registry.tidy(destination)
                 self.registry.retire(destination, now)
+            self.prune(now)
             data = self.registry.learned_data(now)
             if data != self._learned_saved:
                 await asyncio.to_thread(self.save_learned, data)
             now = driver.now()
-            self.placement.warm.prune(now)
             egress = self.egress.encode(now)
             if egress != self._egress_saved:
                 await asyncio.to_thread(self.save_egress, egress)
@@ -115,6 +117,17 @@ class Upkeep:
             settlement = expire_due(message, now, settings(message.klass))
             if settlement is not None:
                 self.driver.perform(self.outcomes.apply(settlement, now))
+
+    def prune(self, now: float) -> None:
+        """Forget what has expired in the maps of the rooms below (docs/architecture.md,
+        "What is kept in memory"); learned.json's and egress.json's are pruned as they
+        are encoded."""
+        self.registry.prune(now)
+        self.registry.core.admission.prune(now)
+        self.active.prune(self.spool.messages)
+        self.placement.warm.prune(now)
+        self.placement.policies.prune(now)
+        self.placement.sender.hosts.prune(now)
 
     def save(self, now: float) -> None:
         self.save_learned(self.registry.learned_data(now))

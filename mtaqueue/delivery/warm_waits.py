@@ -5,6 +5,7 @@
     .waiting_for(message_id, now) -> dict | None   why it waits, for ctl list/show
     .release(base, now) -> [message_id]            an operator finished the ramp there
     .prune(now)                                    forget the waits that are over
+    len(warm_waits)                                messages waiting
 
 One wake a destination (spread over destinations, not over its messages): its waiting
 mail comes back together and in the order it began to wait, oldest first, for the day's
@@ -23,6 +24,9 @@ class WarmWaits:
     def __init__(self) -> None:
         self._waits: dict[str, dict[str, float]] = {}  # base -> {message id: until}
         self._wake: dict[str, float] = {}  # base -> when its waiting mail comes back
+
+    def __len__(self) -> int:
+        return sum(len(ids) for ids in self._waits.values())
 
     def wait(
         self,

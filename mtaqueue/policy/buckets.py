@@ -8,6 +8,8 @@ The bucket holds up to `burst` tokens and refills at `rate` tokens per second; e
 A `take` without a token (two senders that checked the same token) is kept as debt: the
 bucket goes below zero and the next waits pay it back, so the rate still holds over time
 rather than the extra event being forgotten.
+
+A full bucket is as good as a new one (`full`): a caller may drop it and make it anew.
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ class TokenBucket:
             return
         self._refill(now)
         self._tokens -= 1.0
+
+    def full(self, now: float) -> bool:
+        """Whether it holds its whole burst at `now` (no debt, nothing taken)."""
+        if self.rate == 0:
+            return True
+        self._refill(now)
+        return self._tokens >= self.burst
 
     def give_back(self, now: float) -> None:
         """Return a token taken for an event that did not happen (up to the burst)."""

@@ -12,7 +12,8 @@
   from then on, for IPV4_HOLD after the last such refusal.
 
 Destinations are named by their key without a source ("base"). All this state survives
-restarts (`encode`/`decode`, saved by delivery/upkeep.py); expired entries are dropped.
+restarts (`encode`/`decode`, saved by delivery/upkeep.py every 30 s); `encode` drops the
+expired entries and the ramps unused for a month (policy/warmup.py `Warmups.prune`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ IPV4_HOLD = 30 * 86400.0  # a PTR/SPF fix on our side is rare: ask again after a
 class _Saved(msgspec.Struct):
     excluded: dict[str, float] = {}  # "base@address" -> until
     ipv4_only: dict[str, float] = {}  # base -> until
-    warmup: dict[str, Ramp] = {}  # "base@address" -> its ramp (kept once warm: it stays so)
+    warmup: dict[str, Ramp] = {}  # "base@address" -> its ramp (warm stays so while used)
     version: int = 1
 
 
@@ -130,10 +131,18 @@ class EgressState:
     def encode(self, now: float) -> bytes:
         self._excluded = {k: t for k, t in self._excluded.items() if t > now}
         self._ipv4_only = {k: t for k, t in self._ipv4_only.items() if t > now}
+        self.warmup.prune(now)
         excluded = {f"{base}@{address}": t for (base, address), t in self._excluded.items()}
         ramps = {f"{base}@{address}": r for (base, address), r in self.warmup.ramps.items()}
         saved = _Saved(dict(sorted(excluded.items())), self._ipv4_only, dict(sorted(ramps.items())))
         return msgspec.json.encode(saved)
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "egress_exclusions": len(self._excluded),
+            "ipv4_only": len(self._ipv4_only),
+            "warmup_ramps": len(self.warmup.ramps),
+        }
 
     def restore(self, data: bytes) -> None:
         """Raises msgspec.DecodeError (a ValueError) for a damaged file."""

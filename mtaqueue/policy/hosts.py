@@ -7,6 +7,8 @@
     .lift(host, now) -> bool            an operator's flush or unsuspend, for every source
     .suspensions(now) -> [Suspension]   every one in force (mtaqueue-ctl hosts)
     .snapshot(now, source) -> {host: until}
+    .prune(now)                         forget the hosts released over `maximum` ago
+    len(suspensions)                    hosts remembered
 
 A host that fails (connect, greeting, EHLO, TLS) is suspended for `base`, doubling with
 each consecutive failure up to `maximum`; a success resets it. The caller skips suspended
@@ -19,7 +21,8 @@ one-minute suspension into sixteen.
 
 A host is remembered after its release so that failing again right away keeps doubling;
 one released for longer than `maximum` without failing starts over. Such entries are
-dropped lazily, and at most `limit` hosts are remembered (the longest quiet go first).
+dropped as they are read, at `prune` (the upkeep's sweep), and at most `limit` hosts are
+remembered (the longest quiet go first).
 
 An operator's flush or `unsuspend` lifts a suspension (`lift`) but keeps the streak: the
 caller lets one probe connection through (the destination's breaker, half-open), and a
@@ -192,6 +195,9 @@ class HostSuspensions:
         self._forget(now)
         found = ((host, self.until(host, now, source)) for host in list(self._hosts))
         return {host: until for host, until in found if until is not None}
+
+    def prune(self, now: float) -> None:
+        self._forget(now)
 
     def _fail(
         self, entries: dict[str, _Entry], source: str, now: float, reply: Reply | None

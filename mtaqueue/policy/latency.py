@@ -8,6 +8,7 @@
     Round(start, kind, samples, slow, ratio, rose, near, rate, median, previous)
         .verdict: SLOW, ROSE, CALM or HIGH
     OwnLoad(): .lag(now, seconds)  .lagging(now)  .reported(now, key, verdict)  .ours(now)
+        len(own_load): destinations that closed a round in the last CROWD_WINDOW
 
 Seed 003's silent throttling: a receiver that never refuses but answers more slowly the
 harder it is pushed. Every reply we time is a sample of its kind (KINDS): the TCP connect,
@@ -243,6 +244,9 @@ class OwnLoad:
     def __init__(self) -> None:
         self._lags: deque[tuple[float, float]] = deque()  # (at, seconds late)
         self._rounds: dict[str, tuple[float, bool]] = {}  # destination -> (at, slow)
+
+    def __len__(self) -> int:
+        return len(self._rounds)
 
     def lag(self, now: float, seconds: float) -> None:
         """The event loop ran `seconds` late at `now` (the driver's watch)."""

@@ -14,6 +14,11 @@ An operator may move a ramp (`mtaqueue-ctl warmup`): `restart` puts it back on t
 schedule's first step (a moved address, a damaged reputation: providers judge the address
 anew), `finish` past its end (an address known to be warm there). Either keeps the day's
 counts: the mail sent today was seen, and counts against today's allowance.
+
+A ramp not used for IDLE_DAYS is forgotten (`Warmups.prune`): providers forget an
+address's reputation after a month without its mail (warm it again, their guides say),
+and a pool that met many destinations must not keep them all; at most KEPT ramps, the
+longest unused going first.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from ..routing.pools import Source
 DAY = 86400.0
 HOLD_RATE = 0.10  # a day's deferral rate that holds the ramp whatever came before
 RISE = 0.05  # ... as does one this much above the last day's (a rising rate)
+IDLE_DAYS = 30  # a ramp unused this long is forgotten
+KEPT = 50_000  # ramps at most
 
 
 class Ramp(msgspec.Struct):
@@ -162,6 +169,15 @@ class Warmups:
     def bases(self, address: str) -> list[str]:
         """The destinations that `address` has a ramp at, sorted."""
         return sorted(base for base, a in self.ramps if a == address)
+
+    def prune(self, now: float) -> None:
+        """Forget the ramps unused for IDLE_DAYS (a ramp's day moves when it is used),
+        and the longest unused past KEPT."""
+        today = day_of(now)
+        ramps = [(k, r) for k, r in self.ramps.items() if today - r.day < IDLE_DAYS]
+        if len(ramps) > KEPT:
+            ramps = sorted(ramps, key=lambda entry: entry[1].day)[-KEPT:]
+        self.ramps = dict(ramps)
 
     def drain(self) -> list[Step]:
         steps, self._steps = self._steps, []

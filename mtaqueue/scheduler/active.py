@@ -9,6 +9,8 @@
     .uncharged_wait(id) -> bool       an internal wait (once per attempt) goes uncharged
     .refusals(id) / .refused(id, n)   throttle refusals in a row, since the last attempt
     .attempted(id)                    an attempt: waits and refusals count from here
+    .prune(live)                      forget the waits and refusals of mail gone
+    .sizes() -> {name: entries}
 
 Postfix's qmgr_message_active_limit: a flush of a million, or a million retries due at
 once, must not all be routed and queued at destinations at once. Pure: no clock, no I/O.
@@ -17,6 +19,7 @@ once, must not all be routed and queued at destinations at once. Pure: no clock,
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 
 # Messages active at once (routed, queued at a destination or in transit) up to which the
 # overdue mail found at start is let into the scheduler (Postfix: 20,000 as well).
@@ -88,3 +91,15 @@ class ActiveWindow:
     def attempted(self, message_id: str) -> None:
         self._waits.pop(message_id, None)
         self._refusals.pop(message_id, None)
+
+    def prune(self, live: Container[str]) -> None:
+        """Forget the counts of messages not in `live` (the spool's): mail deleted or
+        expired between an internal wait or a refusal and its next attempt."""
+        self._waits = {i: n for i, n in self._waits.items() if i in live}
+        self._refusals = {i: n for i, n in self._refusals.items() if i in live}
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "active_messages": len(self.busy) + len(self.admitted),
+            "active_waits": len(self._waits) + len(self._refusals),
+        }

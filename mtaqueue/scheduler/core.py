@@ -5,7 +5,7 @@
              connected, connect_failed, done, abandon, remove   -> list[Action]
              follow(now, conn, timings) -> item | None; unfollow(now, conn) -> list[Action]
     .load    OwnLoad: the driver tells it how late the event loop runs (policy/latency.py)
-    views:   slots(key), waiting(key), inserted (schedules by reason)
+    views:   slots(key), waiting(key), inserted (schedules by reason); .admission (slots.py)
 
 It holds the scheduled queue (message ids by due time), a ready queue per destination
 (policy/fairness.py: the first class first, weights, tenants), and the connection slots.
@@ -81,15 +81,14 @@ class Scheduler(Generic[T]):
         """`classes` as FairQueue takes them; `max_connections` over all destinations;
         `rate` the global message rate (delivery.max_rate); `tenant_rate` per tenant, per
         second (0: none)."""
-        self._admission = Admission(
+        self.admission = Admission(
             classes,
             max_connections=max_connections,
             connection_idle=connection_idle,
             rate=rate,
             tenant_rate=tenant_rate,
         )
-        self._stations = self._admission.stations
-        self._slots = self._admission.slots
+        self._stations, self._slots = self.admission.stations, self.admission.slots
         self._heap: list[tuple[float, int, str]] = []  # (due, seq, message id)
         self._seq = itertools.count()
         # An event looks only at the destinations it touched and those whose time came:
@@ -104,7 +103,7 @@ class Scheduler(Generic[T]):
 
     @property
     def classes(self) -> dict[str, tuple[int, int]]:
-        return self._admission.classes
+        return self.admission.classes
 
     # -- events ------------------------------------------------------------------------
 
@@ -126,16 +125,16 @@ class Scheduler(Generic[T]):
         del self._stations[key]
         self._dirty.discard(key)
         self._timer_of.pop(key, None)
-        for starved in self._admission.starved.values():
+        for starved in self.admission.starved.values():
             starved.pop(key, None)
-        self._admission.held_back.pop(key, None)
+        self.admission.held_back.pop(key, None)
         return True
 
     def reclassify(self, classes: dict[str, tuple[int, int]]) -> None:
         """New classes (a reload): waiting items keep their order within a class; those of
         a class that is gone join the first class."""
-        self._admission.set_classes(classes)
-        first_class = self._admission.first_class
+        self.admission.set_classes(classes)
+        first_class = self.admission.first_class
         for station in self._stations.values():
             entries = station.queue.remove(lambda entry: True)
             station.queue = FairQueue(classes)
@@ -153,7 +152,7 @@ class Scheduler(Generic[T]):
         tenant_rate: float,
     ) -> None:
         """New global limits (a reload); `tick` applies them."""
-        admission = self._admission
+        admission = self.admission
         admission.max_connections, admission.connection_idle = max_connections, connection_idle
         admission.rate, admission.tenant_rate = rate, tenant_rate
 
@@ -187,7 +186,7 @@ class Scheduler(Generic[T]):
         """Routed work for destination `key` (added first with add_destination). `run`
         False: more of a batch follows (then `tick`), so that the order within the batch
         (the first class first, tenants in turn) decides what goes first."""
-        klass = klass if klass in self.classes else self._admission.first_class
+        klass = klass if klass in self.classes else self.admission.first_class
         self._stations[key].queue.push((item, klass, tenant), klass, tenant)
         self._dirty.add(key)
         return self._run(now) if run else []
@@ -196,10 +195,10 @@ class Scheduler(Generic[T]):
         """The connection of a `Connect` is open; `timings`: its handshake timed."""
         slot = self._slots[conn]
         self._dirty.add(slot.destination)
-        self._admission.answered(slot)
+        self.admission.answered(slot)
         self._timed(now, slot.destination, timings)
         slot.state = SENDING  # the item of the Connect goes now, unless first-class work
-        self._admission.first_class_first(slot, now)  # came in while the connection opened
+        self.admission.first_class_first(slot, now)  # came in while the connection opened
         return [Send(conn, slot.item), *self._run(now)]  # type: ignore[arg-type]
 
     def connect_failed(
@@ -218,7 +217,7 @@ class Scheduler(Generic[T]):
         destination = self._stations[slot.destination]
         shaper = destination.shaper
         self._dirty.add(destination.key)
-        self._admission.answered(slot)
+        self.admission.answered(slot)
         if reply is None or verdict is None:
             shaper.connect_failed(now)
         else:  # this slot counted: refused as one too many, the others are what worked
@@ -230,7 +229,7 @@ class Scheduler(Generic[T]):
             slot.state = WAITING
             return self._run(now)
         item = slot.item
-        self._admission.end(slot)
+        self.admission.end(slot)
         return [GiveUp(conn, item), *self._run(now)]
 
     def follow(self, now: float, conn: int, timings: Iterable[Timing] = ()) -> object | None:
@@ -239,13 +238,13 @@ class Scheduler(Generic[T]):
         (slots.py `follow`); `done` sends it or puts it back, `unfollow` if not written."""
         slot = self._slots[conn]
         self._timed(now, slot.destination, timings)
-        return self._admission.follow(slot, now)
+        return self.admission.follow(slot, now)
 
     def unfollow(self, now: float, conn: int) -> list[Action]:
         """The item `follow` gave was not written: back at the head of its queue, and what
         may go now (another connection may take it)."""
         slot = self._slots[conn]
-        self._admission.unfollow(slot, now)
+        self.admission.unfollow(slot, now)
         self._dirty.add(slot.destination)
         return self._run(now)
 
@@ -278,14 +277,14 @@ class Scheduler(Generic[T]):
             entries = destination.queue.remove(lambda entry: True)
             actions.append(Release(destination.key, tuple(item for item, _, _ in entries)))
         if not reusable or slot.transactions >= destination.pacing.messages_per_connection:
-            self._admission.end(slot)  # (a follower goes back: its commands got no reply)
+            self.admission.end(slot)  # (a follower goes back: its commands got no reply)
             if reusable:
                 actions.append(Close(conn))
         elif slot.follower is not None:  # already on the wire: it goes on
             (slot.item, slot.klass, slot.tenant), slot.follower = slot.follower, None
             actions.append(Send(conn, slot.item))
         else:
-            slot.state, slot.until = IDLE, now + self._admission.connection_idle
+            slot.state, slot.until = IDLE, now + self.admission.connection_idle
         return actions + self._run(now)
 
     def _timed(self, now: float, key: str, timings: Iterable[Timing]) -> None:
@@ -300,7 +299,7 @@ class Scheduler(Generic[T]):
         say): the slot ends without feedback; the item is the driver's to deal with."""
         slot = self._slots[conn]
         self._dirty.add(slot.destination)
-        self._admission.end(slot)
+        self.admission.end(slot)
         return self._run(now)
 
     def remove(self, now: float, predicate: Callable[[T], bool], key: str | None = None) -> list[T]:
@@ -351,7 +350,7 @@ class Scheduler(Generic[T]):
         for station in rest:
             self._pump(station, now, actions)
         self._fill(now, actions, first_class_only=False)
-        admission = self._admission
+        admission = self.admission
         waiting = admission.held_back or any(admission.starved.values())
         parks = admission.parks_at() if waiting else None  # a slot for them then
         wakes = [
@@ -366,7 +365,7 @@ class Scheduler(Generic[T]):
     def _fill(self, now: float, actions: list[Action], *, first_class_only: bool) -> None:
         """Serve the destinations waiting for a global slot while there is one: first-class
         work first, then in turn; then those held back at their fair share."""
-        admission = self._admission
+        admission = self.admission
         lines = [admission.starved[True]]
         if not first_class_only:
             lines += [admission.starved[False], admission.held_back]
@@ -378,7 +377,7 @@ class Scheduler(Generic[T]):
 
     def _pump(self, station: Station, now: float, actions: list[Action]) -> None:
         """Everything the destination may do now; its next wake goes in the heap."""
-        at = self._admission.pump(station, now, actions)
+        at = self.admission.pump(station, now, actions)
         key = station.key
         if at is None:
             self._timer_of.pop(key, None)

@@ -12,6 +12,8 @@
     .follow(slot, now) -> item      the next item, written behind a transaction's content
     .unfollow(slot, now)            it did not go: back at the head of its queue
     .end(slot)                      a slot is over (a follower goes back)
+    .prune(now)                     drop the tenants' buckets that are full (as new)
+    .sizes() -> {name: entries}
 
 Every `Connect` has the destination shaper's connect_wait == 0 for a slot counted with
 the others (the next MX host of a failed connect too), and every item handed out has its
@@ -342,6 +344,13 @@ class Admission:
         if bucket is None:
             bucket = self._tenants[tenant] = TokenBucket(self.tenant_rate, 1, now)
         return bucket
+
+    def prune(self, now: float) -> None:
+        """A full bucket is a new one: a tenant idle for a token's time keeps none."""
+        self._tenants = {t: b for t, b in self._tenants.items() if not b.full(now)}
+
+    def sizes(self) -> dict[str, int]:
+        return {"stations": len(self.stations), "tenant_buckets": len(self._tenants)}
 
     def end(self, slot: Slot) -> None:
         if slot.id in self.slots:
