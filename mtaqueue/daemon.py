@@ -393,6 +393,7 @@ class Daemon:
         """Entries of the in-memory maps that could grow (mtaqueue_memory_entries)."""
         return {
             **self.spool.memory_sizes(),
+            **self.delivery.memory_sizes(),
             "dns_cache": len(self.resolver.cache),
             "alert_histories": self.alerts.size(),
             "listener_sessions": len(self.listener.connections) if self.listener else 0,

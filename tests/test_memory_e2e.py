@@ -28,6 +28,7 @@ def test_what_has_ended_leaves_every_map_and_the_gauges_show_it(start_daemon):
             *FAST,
             "metrics.address=127.0.0.1:0",
             "submission.dedupe_window=3s",  # pruned every 1.5 s (at most every minute)
+            "delivery.connection_idle=60s",
         )
         for i in range(KEYS):
             keyed = f"X-Mtaqueue-Idempotency-Key: order-{i}\r\n".encode() + BODY
@@ -37,6 +38,9 @@ def test_what_has_ended_leaves_every_map_and_the_gauges_show_it(start_daemon):
         wait_for(lambda: len(peer.messages) == KEYS, what="delivery")
         wait_for(lambda: not daemon.messages(), what="the queue to empty")
         live = entries(daemon)
+        # Its connection still open, the destination is live (no sweep has retired it),
+        # yet it holds no id of the mail delivered there: dropped as each was settled.
+        assert live["destinations"] == 1 and live["destination_messages"] == 0
         assert live["idempotency_keys"] >= 1  # the window is still open for the last ones
         samples = scrape(daemon)
         resident = {

@@ -12,6 +12,7 @@ import msgspec
 from mtaqueue import config
 from mtaqueue.config import DEFAULT_CLASSES
 from mtaqueue.delivery import registry as registry_module
+from mtaqueue.delivery.destination import DOMAINS_KEPT
 from mtaqueue.delivery.manager import DeliveryManager
 from mtaqueue.delivery.mta_sts import FETCH_RETRY, Policies
 from mtaqueue.delivery.registry import Registry
@@ -48,28 +49,27 @@ def message(message_id: str, *addresses: str) -> Message:
 # -- delivery/registry.py ----------------------------------------------------------------
 
 
-def test_a_busy_destination_forgets_the_mail_that_is_done():
-    messages = {"m1": message("m1", "x@example.org"), "m2": message("m2", "y@example.org")}
+def test_a_busy_destination_forgets_the_mail_that_left_the_queue():
+    messages = {"m1": message("m1", "x@example.org")}
     reg = registry(messages)
     d = reg.create("mx1.example.net", "example.org", ROUTE, None, T0)
     d.domains.add("example.org")
-    d.waiting |= {"m1", "m2", "m3"}  # m3: delivered and removed from the spool
-    done = msgspec.structs.replace(messages["m2"].recipients[0], state="delivered")
-    messages["m2"] = msgspec.structs.replace(messages["m2"], recipients=(done,))
+    d.waiting |= {"m1", "m3"}  # m3: bounced, expired or deleted, gone from the spool
     reg.tidy(d)
-    assert d.waiting == {"m1"}  # still pending there
+    assert d.waiting == {"m1"}  # still in the queue (delivered here: dropped as settled)
     assert d.domains == {"example.org"}  # under DOMAINS_KEPT: all kept
 
 
-def test_a_destination_past_domains_kept_keeps_those_with_mail_there(monkeypatch):
-    monkeypatch.setattr(registry_module, "DOMAINS_KEPT", 3)
+def test_a_destination_past_domains_kept_keeps_those_with_mail_there():
     messages = {"m1": message("m1", "x@c.example")}
     reg = registry(messages)
     d = reg.create("mx1.example.net", "a.example", ROUTE, None, T0)
     d.domains |= {"a.example", "b.example", "c.example", "d.example"}
     d.waiting.add("m1")
+    d.domains_cap = 3  # as if DOMAINS_KEPT were 3
     reg.tidy(d)
     assert d.domains == {"a.example", "c.example"}  # the pacing domain, and m1's
+    assert d.domains_cap == DOMAINS_KEPT  # the next cut: past twice what this one kept
 
 
 def test_a_standing_steer_goes_when_its_time_is_over():

@@ -12,17 +12,16 @@
     .on_connect                           destination, seconds to open (metrics)
 
 Shaped like KumoMTA's dispatcher: attempt a connection, deliver a message, close. Each
-transaction's replies go to the core (the shaper's feedback) and to the settlement;
-recipients a site's throttle refused go back to their queue uncharged. `clock` is the
-driver's, read after each await.
+transaction's replies go to the core (the shaper's feedback) and to the settlement; recipients
+a site's throttle refused go back to their queue uncharged. `clock` is the driver's, read after
+each await.
 
-On a server that pipelines, when a transaction's content is next the core is asked for
-the item that would go on this connection next (`core.follow`): its MAIL, RCPTs and DATA
-are written behind the final dot, and its `Send` reads their replies. One that was not
-written goes back (`core.unfollow`); one written on a connection that then ended got no
-reply and goes back too (`core.done`), uncharged. One held or deleted meanwhile cannot
-be taken back from a server waiting for its content: the connection is dropped (no dot,
-no delivery).
+On a server that pipelines, when a transaction's content is next the core is asked for the item
+that would go on this connection next (`core.follow`): its MAIL, RCPTs and DATA are written
+behind the final dot, and its `Send` reads their replies. One that was not written goes back
+(`core.unfollow`); one written on a connection that then ended got no reply and goes back too
+(`core.done`), uncharged. One held or deleted meanwhile cannot be taken back from a server
+waiting for its content: the connection is dropped (no dot, no delivery).
 """
 
 from __future__ import annotations
@@ -370,6 +369,8 @@ class Connections:
                 destination=destination.key,
                 now=now,
             )
+        if not (back or again) and all(r.verdict.outcome == DELIVERED for r in results):
+            destination.waiting.discard(item.message_id)  # done here (the sweep: the rest)
         if back:
             self.active.refused(item.message_id, refusals + 1)
             indexes = [r.index for r in back]

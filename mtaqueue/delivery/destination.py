@@ -27,6 +27,10 @@ from ..smtp.addresses import domain_of
 from ..smtp.client import Smarthost
 
 STATS_WINDOW = 600.0  # seconds of replies behind the 4xx rate
+# Domains a live destination remembers serving before the sweep cuts them back to those
+# with mail there: one MX set (a hosting provider's) serves countless domains, and a busy
+# destination is never retired.
+DOMAINS_KEPT = 1_000
 
 
 @dataclass(slots=True)
@@ -85,6 +89,7 @@ class Destination:
         self.named_hop = named_hop  # a next hop the operator named: no slow start there
         self.smarthost = smarthost  # its TLS and AUTH (the password: kept, never shown)
         self.domains: set[str] = set()
+        self.domains_cap = DOMAINS_KEPT  # Registry.tidy cuts `domains` past it
         self.last_replies: deque[str] = deque(maxlen=5)
         self.waiting: set[str] = set()  # ids of messages routed here, perhaps still pending
         self._window: deque[tuple[float, int]] = deque()  # (time, reply class digit)

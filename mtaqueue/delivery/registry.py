@@ -7,8 +7,8 @@
     .configure(cfg, relays_by_key, smarthosts, now)   a start or a reload: new pacing
     .create(key, domain, route, relay, now, source) -> Destination
     .retire(destination, now)                 forget one with nothing to do or remember
-    .tidy(destination)                        drop its mail that is done; its domains past
-                                              DOMAINS_KEPT to those with mail there
+    .tidy(destination)                        drop the ids of mail gone; its domains past
+                                              their cap to those with mail there
     .prune(now)                               drop standing steers whose time is over
     .sizes() -> {name: entries}               its maps' sizes (memory_sizes)
     .relay_named(key) -> Relay | None         the smarthost a destination key is
@@ -42,7 +42,7 @@ from ..scheduler.core import Scheduler
 from ..smtp.addresses import domain_of
 from ..smtp.client import Smarthost
 from ..spool.store import Spool
-from .destination import Destination
+from .destination import DOMAINS_KEPT, Destination
 from .sender import Sender
 
 log = get_logger("delivery")
@@ -53,10 +53,6 @@ Steer = Callable[[DestinationShaper, float], None]
 # returning destination starts wisely, but a daemon that met a million domains in a
 # week must not hold them all.
 LEARNED_KEPT = 50_000
-# Domains a live destination remembers serving before the sweep cuts them back to those
-# with mail there: one MX set (a hosting provider's) serves countless domains, and a busy
-# destination is never retired.
-DOMAINS_KEPT = 1_000
 
 
 class Registry:
@@ -184,19 +180,20 @@ class Registry:
         return False
 
     def tidy(self, destination: Destination) -> None:
-        """Forget the messages routed to a live destination that have nothing pending there
-        (a busy destination is never retired, and would keep every id it ever carried); past
-        DOMAINS_KEPT domains, keep those its waiting mail is for, and the one its pacing
-        rules match on."""
+        """Forget the ids of messages that left the queue (a busy destination is never
+        retired, and would keep every id it ever carried; one delivered here is dropped
+        as it is settled). Past its domains' cap (DOMAINS_KEPT, then twice what the last
+        cut kept), keep the domains its waiting mail is for and the one its pacing rules
+        match on: a cut reads every waiting message, so it is rare."""
+        messages = self.spool.messages
+        destination.waiting.difference_update([i for i in destination.waiting if i not in messages])
+        if len(destination.domains) <= destination.domains_cap:
+            return
         domains: set[str] = set()
-        for message_id in list(destination.waiting):
-            pending = _pending_at(destination, self.spool.messages.get(message_id))
-            if pending:
-                domains |= pending
-            else:
-                destination.waiting.discard(message_id)
-        if len(destination.domains) > DOMAINS_KEPT:
-            destination.domains = domains | {_domain_of(destination)}
+        for message_id in destination.waiting:
+            domains |= _pending_at(destination, messages.get(message_id))
+        destination.domains = domains | {_domain_of(destination)}
+        destination.domains_cap = max(DOMAINS_KEPT, 2 * len(destination.domains))
 
     def matching(self, name: str) -> list[Destination]:
         return [d for d in self.destinations.values() if named(d, name)]
