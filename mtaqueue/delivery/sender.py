@@ -71,7 +71,8 @@ class Sender:
         self.client = client
         self.rules = rules
         self.hosts = hosts
-        self.out_of_step = out_of_step or OutOfStep()  # outlives a reload, as `hosts`
+        # Outlives a reload, as `hosts` (`is None`: an empty one is falsy, yet the one to share).
+        self.out_of_step = OutOfStep() if out_of_step is None else out_of_step
         self.delivery = delivery
         # MTA-STS: STARTTLS required, the certificate verified for the MX name (as a
         # smarthost's required TLS is, smtp/client.py).
