@@ -2,6 +2,8 @@
 
     python bench/soak.py [--minutes 120] [--rate 25] [--warmup 10] [--tracemalloc N]
                          [--kill-writer-at MINUTES] [--json FILE] [--keep]
+                         [--snapshots DIR]
+    python bench/soak.py --compare DIR      # diff the snapshots kept by --snapshots
 
 The daemon (a subprocess, the shipped conf/mtaqueue.toml; overridden only: spool.path,
 listen.address, dns.nameservers, metrics.address, log.level=warning and delivery.port, the
@@ -29,8 +31,14 @@ threads and tasks flat), and the checks: no acked message lost (each one deliver
 bounced with a DSN, or still queued) and none delivered twice. `--tracemalloc N` runs the
 daemon with MTAQUEUE_TRACEMALLOC=N, takes snapshots (SIGUSR2) after the warm-up, around
 the writer's kill and at the end, and prints the 25 allocation sites that grew most in
-each process between its first and last snapshot. Needs root, Postfix's smtp-sink and
-Unbound; everything on 127.0.0.0/8.
+each process between its first and last snapshot, and the traced total's growth per hour
+(a figure of the Python heap alone). With tracing on, the RSS figures are not the ones
+to quote: tracing costs CPU (at 10 frames the daemon, at 100% of a core, took ~17 of the
+25 msg/s asked, on 2 cores shared with other work) and memory, and each snapshot leaves
+freed memory behind that later growth reuses, so the RSS slope after it understates the
+growth; measure RSS in a run without `--tracemalloc`.
+`--snapshots DIR` keeps the snapshot files; `--compare DIR` only diffs such a directory.
+Needs root, Postfix's smtp-sink and Unbound; everything on 127.0.0.0/8.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,13 +198,7 @@ def short(filename: str) -> str:
     return filename
 
 
-def growth_sites(first: Path, last: Path, key: str, top: int) -> list[dict]:
-    ignore = [
-        tracemalloc.Filter(False, tracemalloc.__file__),
-        tracemalloc.Filter(False, "<frozen importlib._bootstrap*>"),
-    ]
-    old = tracemalloc.Snapshot.load(str(first)).filter_traces(ignore)
-    new = tracemalloc.Snapshot.load(str(last)).filter_traces(ignore)
+def growth_sites(old, new, key: str, top: int) -> list[dict]:
     rows = []
     for stat in new.compare_to(old, key)[:top]:
         frames = [f"{short(f.filename)}:{f.lineno}" for f in stat.traceback]
@@ -205,6 +208,47 @@ def growth_sites(first: Path, last: Path, key: str, top: int) -> list[dict]:
              "size_kib": round(stat.size / 1024, 1), "traceback": frames}
         )  # fmt: skip
     return rows
+
+
+def compare_snapshots(groups: dict[str, list[Path | None]]) -> dict:
+    """For each process, its first snapshot against its last: the traced total's growth
+    per hour (by the files' times) and the sites that grew most; printed, and returned."""
+    ignore = [
+        tracemalloc.Filter(False, tracemalloc.__file__),
+        tracemalloc.Filter(False, "<frozen importlib._bootstrap*>"),
+    ]
+    tops: dict = {}
+    for name, files in groups.items():
+        files = [f for f in files if f is not None]
+        if len(files) < 2:
+            continue
+        old, new = (
+            tracemalloc.Snapshot.load(str(f)).filter_traces(ignore) for f in (files[0], files[-1])
+        )
+        hours = (files[-1].stat().st_mtime - files[0].stat().st_mtime) / 3600
+        before, after = (sum(t.size for t in snap.traces) / 1e6 for snap in (old, new))
+        tops[f"{name} traced MB"] = {"first": before, "last": after, "hours": hours}
+        print(f"\ntraced by tracemalloc, {name}: {before:.1f} -> {after:.1f} MB in "
+              f"{hours * 60:.0f} min: {(after - before) / max(hours, 1e-9):+.1f} MB/h")  # fmt: skip
+        for key, top in (("lineno", 25), ("traceback", 10)):
+            tops[f"{name} by {key}"] = sites = growth_sites(old, new, key, top)
+            print(f"top growing allocation sites by {key}, {name} "
+                  f"({files[0].name} -> {files[-1].name}):")  # fmt: skip
+            print(f"  {'size diff KiB':>13} {'count diff':>10} {'size KiB':>9}  site")
+            for t in sites:
+                callers = " < ".join(reversed(t["traceback"][:-1]))[:160]
+                print(f"  {t['size_diff_kib']:>13} {t['count_diff']:>10} {t['size_kib']:>9}  "
+                      f"{t['site']}" + (f"  (< {callers})" if callers else ""))  # fmt: skip
+    return tops
+
+
+def snapshot_groups(directory: Path) -> dict[str, list[Path]]:
+    """Snapshot files (role-pid-n.snap) by process, in order."""
+    groups: dict[str, list[Path]] = {}
+    for path in directory.glob("*.snap"):
+        role, pid, _ = path.stem.split("-")
+        groups.setdefault(f"{role} {pid}", []).append(path)
+    return {k: sorted(v, key=lambda p: int(p.stem.split("-")[2])) for k, v in groups.items()}
 
 
 def periodic(stop: threading.Event, every: float, action) -> threading.Thread:
@@ -255,7 +299,12 @@ def main() -> int:
     parser.add_argument("--sample-every", type=float, default=60, help="seconds")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--snapshots", type=Path, help="copy the tracemalloc snapshots here")
+    parser.add_argument("--compare", type=Path, metavar="DIR", help="only diff saved snapshots")
     args = parser.parse_args()
+    if args.compare:
+        compare_snapshots(snapshot_groups(args.compare))
+        return 0
     total = args.warmup + args.minutes
     kill_at = (
         args.kill_writer_at if args.kill_writer_at is not None else args.warmup + args.minutes / 2
@@ -275,90 +324,99 @@ def main() -> int:
             f"delivery.port={rx.port}",
         )  # fmt: skip
         os.environ.update(env)  # the daemon inherits it (and its writer)
-        mq.launch()
-        mq.wait_accepting(120)  # its probe goes to example.org: refused by Unbound, stays queued
-        print(f"soak: {args.warmup:g} + {args.minutes:g} min at {args.rate:g} msg/s, "
-              f"writer killed at minute {kill_at:g}", flush=True)  # fmt: skip
-        t0 = time.monotonic()
-        sub = Submitter(mq.port, args.rate, t0 + total * 60)
-        stop = threading.Event()
-        n_supp = iter(range(10**9))
+        try:
+            return run(args, rx, mq, metrics, total, kill_at)
+        finally:
+            mq.stop()
 
-        def suppress() -> None:
-            address = f"x{next(n_supp)}@supp.accept.test"
-            ctl(mq.spool, "suppress", "add", address, "--for", "2m", "--reason", "soak")
-            sub.suppressed = address
 
-        periodic(stop, 15, suppress)
-        periodic(stop, 60, rx.flip_down)
-        rows, snaps, events = [], {}, []
-        header = ["min", *[k for k, _ in SERIES], "subm", "acked", "retry", "deliv", "dsns"]
-        print(" ".join(h[:10].rjust(8) for h in header), flush=True)
-        keys = [
-            "minute",
-            *[k for k, _ in SERIES],
-            "submitted",
-            "acked",
-            "retries",
-            "delivered",
-            "dsns",
-        ]
-        warm_snapped = killed = False
-        next_sample = t0
-        while True:
-            now = time.monotonic()
-            minute = (now - t0) / 60
-            if mq.proc.poll() is not None:
-                events.append(f"daemon exited at minute {minute:.1f}")
-                break
-            if not warm_snapped and minute >= args.warmup:
-                warm_snapped = True
-                if args.tracemalloc:
-                    snaps["daemon"] = [snapshot(mq.proc.pid, mq.spool, "daemon")]
-                    wpid = writer_pid(mq.proc.pid)
-                    snaps[f"writer {wpid}"] = [snapshot(wpid, mq.spool, "writer")]
-            if not killed and minute >= kill_at:
-                killed = True
+def run(args, rx: Receivers, mq: Mtaqueue, metrics: str, total: float, kill_at: float) -> int:
+    mq.launch()
+    mq.wait_accepting(120)  # its probe goes to example.org: refused by Unbound, stays queued
+    print(f"soak: {args.warmup:g} + {args.minutes:g} min at {args.rate:g} msg/s, "
+          f"writer killed at minute {kill_at:g}", flush=True)  # fmt: skip
+    t0 = time.monotonic()
+    sub = Submitter(mq.port, args.rate, t0 + total * 60)
+    stop = threading.Event()
+    n_supp = iter(range(10**9))
+
+    def suppress() -> None:
+        address = f"x{next(n_supp)}@supp.accept.test"
+        ctl(mq.spool, "suppress", "add", address, "--for", "2m", "--reason", "soak")
+        sub.suppressed = address
+
+    periodic(stop, 15, suppress)
+    periodic(stop, 60, rx.flip_down)
+    rows, snaps, events = [], {}, []
+    header = ["min", *[k for k, _ in SERIES], "subm", "acked", "retry", "deliv", "dsns"]
+    print(" ".join(h[:10].rjust(8) for h in header), flush=True)
+    keys = [
+        "minute",
+        *[k for k, _ in SERIES],
+        "submitted",
+        "acked",
+        "retries",
+        "delivered",
+        "dsns",
+    ]
+    warm_snapped = killed = False
+    next_sample = t0
+    while True:
+        now = time.monotonic()
+        minute = (now - t0) / 60
+        if mq.proc.poll() is not None:
+            events.append(f"daemon exited at minute {minute:.1f}")
+            break
+        if not warm_snapped and minute >= args.warmup:
+            warm_snapped = True
+            if args.tracemalloc:
+                snaps["daemon"] = [snapshot(mq.proc.pid, mq.spool, "daemon")]
                 wpid = writer_pid(mq.proc.pid)
-                if args.tracemalloc and wpid:
-                    snaps.setdefault(f"writer {wpid}", []).append(
-                        snapshot(wpid, mq.spool, "writer")
-                    )
-                if wpid:
-                    os.kill(wpid, signal.SIGKILL)
-                events.append(f"writer {wpid} killed at minute {(time.monotonic() - t0) / 60:.1f}")
-                print(events[-1], flush=True)
-                if args.tracemalloc:
+                snaps[f"writer {wpid}"] = [snapshot(wpid, mq.spool, "writer")]
+        if not killed and minute >= kill_at:
+            killed = True
+            wpid = writer_pid(mq.proc.pid)
+            if args.tracemalloc and wpid:
+                snaps.setdefault(f"writer {wpid}", []).append(snapshot(wpid, mq.spool, "writer"))
+            if wpid:
+                os.kill(wpid, signal.SIGKILL)
+            events.append(f"writer {wpid} killed at minute {(time.monotonic() - t0) / 60:.1f}")
+            print(events[-1], flush=True)
+            if args.tracemalloc:
 
-                    def first_of_new() -> None:
-                        time.sleep(60)
-                        new = writer_pid(mq.proc.pid)
-                        if new:
-                            snaps[f"writer {new}"] = [snapshot(new, mq.spool, "writer")]
+                def first_of_new() -> None:
+                    time.sleep(60)
+                    new = writer_pid(mq.proc.pid)
+                    if new:
+                        snaps[f"writer {new}"] = [snapshot(new, mq.spool, "writer")]
 
-                    threading.Thread(target=first_of_new, daemon=True).start()
-            if now >= next_sample:
-                rows.append(sample(t0, mq, rx, sub, metrics))
-                print(" ".join(fmt(rows[-1][k]) for k in keys), flush=True)
-                next_sample += args.sample_every
-            if minute >= total:
-                break
-            time.sleep(min(1.0, max(0.05, next_sample - time.monotonic())))
-        stop.set()
-        sub.join()
-        if mq.proc.poll() is None:
+                threading.Thread(target=first_of_new, daemon=True).start()
+        if now >= next_sample:
             rows.append(sample(t0, mq, rx, sub, metrics))
             print(" ".join(fmt(rows[-1][k]) for k in keys), flush=True)
-            if args.tracemalloc:
-                snaps.setdefault("daemon", []).append(snapshot(mq.proc.pid, mq.spool, "daemon"))
-                wpid = writer_pid(mq.proc.pid)
-                snaps.setdefault(f"writer {wpid}", []).append(snapshot(wpid, mq.spool, "writer"))
-            time.sleep(5)
-            checks = lost_and_duplicates(mq, rx, sub)
-        else:
-            checks = {"lost": None, "duplicates": None, "note": "the daemon died"}
-        mq.stop()
-        report(args, rows, checks, snaps, sub, events)
+            next_sample += args.sample_every
+        if minute >= total:
+            break
+        time.sleep(min(1.0, max(0.05, next_sample - time.monotonic())))
+    stop.set()
+    sub.join()
+    if mq.proc.poll() is None:
+        rows.append(sample(t0, mq, rx, sub, metrics))
+        print(" ".join(fmt(rows[-1][k]) for k in keys), flush=True)
+        if args.tracemalloc:
+            snaps.setdefault("daemon", []).append(snapshot(mq.proc.pid, mq.spool, "daemon"))
+            wpid = writer_pid(mq.proc.pid)
+            snaps.setdefault(f"writer {wpid}", []).append(snapshot(wpid, mq.spool, "writer"))
+        if args.snapshots:
+            args.snapshots.mkdir(parents=True, exist_ok=True)
+            for path in (mq.spool / "tracemalloc").glob("*.snap"):
+                shutil.copy2(path, args.snapshots)
+        time.sleep(5)
+        checks = lost_and_duplicates(mq, rx, sub)
+    else:
+        checks = {"lost": None, "duplicates": None, "note": "the daemon died"}
+    mq.stop()
+    report(args, rows, checks, snaps, sub, events)
     return 0 if checks.get("lost") == 0 and checks.get("duplicates") == 0 else 1
 
 
@@ -385,25 +443,15 @@ def report(args, rows, checks, snaps, sub, events) -> None:
         shown = "-" if value is None else f"{value:+.2f}"
         mark = "" if key not in verdicts or value is None else ("ok" if verdicts[key] else "FAIL")
         print(f"  {key:<16} {shown:>10} {unit}/h  {target} {mark}")
+    span = rows[-1]["minute"] - rows[0]["minute"] if rows else 0
+    print(f"submitted {sub.submitted} in {span:.1f} min: {sub.submitted / max(span, 0.01) / 60:.1f}"
+          f" msg/s (asked {args.rate:g})")  # fmt: skip
     print(f"kinds acked: {dict(sub.kinds)}; refused (5xx): {dict(sub.refused)}; "
           f"retries: {sub.retries}")  # fmt: skip
     for event in events:
         print(event)
     print("checks:", json.dumps(checks))
-    tops = {}
-    for name, files in snaps.items():
-        files = [f for f in files if f is not None]
-        if len(files) < 2:
-            continue
-        for key, top in (("lineno", 25), ("traceback", 10)):
-            tops[f"{name} by {key}"] = sites = growth_sites(files[0], files[-1], key, top)
-            print(f"\ntop growing allocation sites by {key}, {name} "
-                  f"({files[0].name} -> {files[-1].name}):")  # fmt: skip
-            print(f"  {'size diff KiB':>13} {'count diff':>10} {'size KiB':>9}  site")
-            for t in sites:
-                callers = " < ".join(reversed(t["traceback"][:-1]))[:160]
-                print(f"  {t['size_diff_kib']:>13} {t['count_diff']:>10} {t['size_kib']:>9}  "
-                      f"{t['site']}" + (f"  (< {callers})" if callers else ""))  # fmt: skip
+    tops = compare_snapshots(snaps)
     if args.json:
         figures = {"args": vars(args), "samples": rows, "growth_per_hour": growth,
                    "verdicts": verdicts, "checks": checks, "events": events,

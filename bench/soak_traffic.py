@@ -179,8 +179,8 @@ class Submitter:
         with self.lock:
             i = self.next
             due = self.start + i / self.rate
-            if due >= self.end:
-                return None
+            if due >= self.end or time.monotonic() >= self.end:
+                return None  # the end, even when behind (a daemon slower than the rate)
             self.next += 1
         time.sleep(max(0.0, due - time.monotonic()))
         return i
