@@ -59,11 +59,19 @@ def _free_udp_tcp_port(host: str) -> int:
 
 class UnboundInstance:
     def __init__(
-        self, workdir: Path, zones: dict[str, list[str]], host: str = "127.0.0.1", port: int = 0
+        self,
+        workdir: Path,
+        zones: dict[str, list[str]],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        kinds: dict[str, str] | None = None,
     ) -> None:
-        """`port` 0: a free one, picked at the first start and kept by restart()."""
+        """`port` 0: a free one, picked at the first start and kept by restart(). `kinds`:
+        a zone's local-zone type other than "static", e.g. {"accept.test": "redirect"}
+        (every name under it answered from the zone's own records: a wildcard domain)."""
         self.dir = Path(workdir) / "unbound"
         self.zones = zones
+        self.kinds = kinds or {}
         self.host = host
         self.port = port
         self.process: subprocess.Popen | None = None
@@ -94,7 +102,8 @@ class UnboundInstance:
             '  local-zone: "." refuse',  # nothing is ever asked outside the machine
         ]
         for zone, records in self.zones.items():
-            lines.append(f'  local-zone: "{zone.rstrip(".")}." static')
+            kind = self.kinds.get(zone, "static")
+            lines.append(f'  local-zone: "{zone.rstrip(".")}." {kind}')
             lines += [f"  local-data: '{record}'" for record in records]
         return "\n".join(lines) + "\n"
 

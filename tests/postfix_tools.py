@@ -205,8 +205,13 @@ def stop_process(proc: subprocess.Popen | None, timeout: float) -> None:
 class SmtpSink:
     """``smtp-sink -c`` on a loopback address: answers 250 to everything, counts messages."""
 
-    def __init__(self, listen: str = "127.0.0.1:2700", backlog: int = 100) -> None:
+    def __init__(
+        self, listen: str = "127.0.0.1:2700", backlog: int = 100, options: tuple[str, ...] = ()
+    ) -> None:
+        """`options`: more smtp-sink options, e.g. ("-D", DIR/sink): every transaction
+        appended to that file (DIR must be writable by nobody when we run as root)."""
         self.listen = listen
+        self.options = options
         self.host, self.port = parse_loopback(listen)
         self.backlog = backlog
         self._proc: subprocess.Popen[bytes] | None = None
@@ -227,6 +232,7 @@ class SmtpSink:
         cmd = [SMTP_SINK, "-c"]
         if os.geteuid() == 0:
             cmd += ["-u", "nobody"]  # smtp-sink refuses to run as root without -u
+        cmd += list(self.options)
         cmd += [f"{self.host}:{self.port}", str(self.backlog)]
         try:
             self._proc = subprocess.Popen(
