@@ -2,12 +2,15 @@
 
     python bench/soak.py [--minutes 120] [--rate 25] [--warmup 10] [--tracemalloc N]
                          [--kill-writer-at MINUTES] [--json FILE] [--keep]
-                         [--snapshots DIR]
+                         [--snapshots DIR] [--dedupe-window DURATION]
     python bench/soak.py --compare DIR      # diff the snapshots kept by --snapshots
 
 The daemon (a subprocess, the shipped conf/mtaqueue.toml; overridden only: spool.path,
 listen.address, dns.nameservers, metrics.address, log.level=warning and delivery.port, the
-one port of every loopback MX host; no timer is shortened, so greylisted and deferred mail
+one port of every loopback MX host; and submission.dedupe_window with --dedupe-window: an
+idempotency key is live for the whole window, 24 h as shipped, so a run shorter than that
+shows keys forgotten only with a shorter one, as the suppressions' 2-minute TTL does; no
+timer is shortened, so greylisted and deferred mail
 waits out the shipped 5/15/30/60 min schedule: the queue is level, not empty) gets mail
 from our own SMTP clients (smtplib, 8 threads) at `--rate` messages per second for
 `--warmup` + `--minutes` minutes, each with a unique Message-ID and
@@ -301,6 +304,12 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--snapshots", type=Path, help="copy the tracemalloc snapshots here")
     parser.add_argument("--compare", type=Path, metavar="DIR", help="only diff saved snapshots")
+    parser.add_argument(
+        "--dedupe-window",
+        metavar="DURATION",
+        help="submission.dedupe_window (default: the shipped 24h, longer than any run: the"
+        " keys then only grow; a window shorter than the run shows them forgotten)",
+    )
     args = parser.parse_args()
     if args.compare:
         compare_snapshots(snapshot_groups(args.compare))
@@ -322,6 +331,7 @@ def main() -> int:
             workdir / "spool", free_port(),
             f'dns.nameservers=["{rx.dns.address}"]', f"metrics.address={metrics}",
             f"delivery.port={rx.port}",
+            *([f"submission.dedupe_window={args.dedupe_window}"] if args.dedupe_window else []),
         )  # fmt: skip
         os.environ.update(env)  # the daemon inherits it (and its writer)
         try:
@@ -333,8 +343,9 @@ def main() -> int:
 def run(args, rx: Receivers, mq: Mtaqueue, metrics: str, total: float, kill_at: float) -> int:
     mq.launch()
     mq.wait_accepting(120)  # its probe goes to example.org: refused by Unbound, stays queued
+    window = args.dedupe_window or "24h (shipped)"
     print(f"soak: {args.warmup:g} + {args.minutes:g} min at {args.rate:g} msg/s, "
-          f"writer killed at minute {kill_at:g}", flush=True)  # fmt: skip
+          f"writer killed at minute {kill_at:g}, dedupe window {window}", flush=True)  # fmt: skip
     t0 = time.monotonic()
     sub = Submitter(mq.port, args.rate, t0 + total * 60)
     stop = threading.Event()
