@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,19 +49,32 @@ def postfix_installed() -> None:
         pytest.fail(
             "a private Postfix instance needs root (its master runs as root)", pytrace=False
         )
+    _install("postfix", _missing_postfix)
+
+
+@pytest.fixture(scope="session")
+def unbound_installed() -> None:
+    """For tests that run a private Unbound (bench/unbound_instance.py): Debian's `unbound`
+    package, installed here if missing, as `postfix_installed` does."""
+    _install("unbound", lambda: [] if shutil.which("unbound") else ["unbound"])
+
+
+def _install(package: str, missing: Callable[[], list[str]]) -> None:
+    """tests/install_postfix.sh, if `missing()` names anything; fails the test if it
+    still does."""
     output = ""
-    if _missing_postfix():
+    if missing():
         with open(Path(tempfile.gettempdir()) / "mtaqueue-install-postfix.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if _missing_postfix():
+            if missing():
                 script = Path(__file__).parent / "install_postfix.sh"
                 done = subprocess.run(["bash", str(script)], capture_output=True, text=True)
                 output = (done.stdout + done.stderr)[-2000:]
-    missing = _missing_postfix()
-    if missing:
+    gone = missing()
+    if gone:
         pytest.fail(
-            f"Postfix is not installed ({', '.join(missing)} missing) and "
-            f"tests/install_postfix.sh could not install Debian's `postfix` package:\n{output}",
+            f"{', '.join(gone)} missing, and tests/install_postfix.sh could not install "
+            f"Debian's `{package}` package:\n{output}",
             pytrace=False,
         )
 
