@@ -1,27 +1,25 @@
 """The spool writer: a child process that makes every change durable.
 
-It runs apart from the daemon so that its many blocking syscalls (open, write,
-fsync, rename per message) never wait for the daemon's GIL: in one process, a
-committer thread that needs the GIL back after each syscall is starved by a
-busy event loop (measured: 2,200 fsynced files/s alone, 48/s beside a busy
-thread; see bench/RESULTS.md).
+It runs apart from the daemon so that its many blocking syscalls (open, write, fsync, rename
+per message) never wait for the daemon's GIL: in one process, a committer thread that needs
+the GIL back after each syscall is starved by a busy event loop (measured: 2,200 fsynced
+files/s alone, 48/s beside a busy thread; see bench/RESULTS.md).
 
-Protocol, over a socketpair: the daemon sends a `Batch` of operations, the
-writer answers with one `BatchResult` after everything in it is durable. One
-batch is in flight at a time, so while the writer syncs one round the next
-round accumulates in the daemon: that is the group commit.
+Protocol, over a socketpair: the daemon sends a `Batch` of operations, the writer answers with
+one `BatchResult` after everything in it is durable. One batch is in flight at a time, so
+while the writer syncs one round the next round accumulates in the daemon: that is the group
+commit.
 
-Per round: message files are written, fsynced (from several threads at once:
-concurrent fsyncs share the file system's journal commits) and renamed into
-place; each touched directory is fsynced once; the journal records of the
-round are appended with one fdatasync. A message too large to send over the
-socket comes as a `Place`: the daemon wrote its file as the data arrived, and
-the writer fsyncs it and renames it into place like the others.
+Per round: message files are written, fsynced (from several threads at once: concurrent fsyncs
+share the file system's journal commits) and renamed into place; each touched directory is
+fsynced once; the journal records of the round are appended with one fdatasync. A message too
+large to send over the socket comes as a `Place`: the daemon wrote its file as the data
+arrived, and the writer fsyncs it and renames it into place like the others.
 
-An accepted message's DKIM signature values are made here, by the thread that
-writes its file, just before it does: OpenSSL signs without the GIL, so a round's
-RSA signatures are made on both cores, beside the other files' fsyncs (the daemon
-made the rest of each signature field: dkim/service.py).
+An accepted message's DKIM signature values are made here, by the thread that writes its file,
+just before it does: OpenSSL signs without the GIL, so a round's RSA signatures are made on
+both cores, beside the other files' fsyncs (the daemon made the rest of each signature field:
+dkim/service.py).
 """
 
 from __future__ import annotations
@@ -384,9 +382,8 @@ class SpoolWriter:
                     written.remove(i)
 
     def prune(self) -> None:
-        """Forget what a compaction would (tombstones whose files are gone for good, keys
-        of closed windows, ended suppressions) without one: the writer's memory follows
-        the queue, not how far the journal is from its compaction size."""
+        """Forget what a compaction would (buried tombstones, keys of closed windows, ended
+        suppressions): memory follows the queue, not the journal's size."""
         now = time.time()
         self._prune_at = time.monotonic() + prune_period(self.dedupe_window)
         self._bury()
