@@ -32,6 +32,13 @@ def test_keys_created_before_a_time_go_and_the_rest_stay():
     assert keys == {"new": ("C", 5 * SLICE)}
 
 
+def test_each_update_of_a_keyed_message_files_its_key_once():
+    keys = KeyIndex()
+    for _ in range(5):  # the accept, then one Put per update of the same message
+        keys.keep("k", "A", 10.0)
+    assert sum(map(len, keys._slices.values())) == 1
+
+
 def test_a_key_kept_again_later_outlives_its_first_slice():
     keys = KeyIndex()
     keys.keep("k", "A", 10.0)

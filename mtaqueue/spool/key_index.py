@@ -27,6 +27,8 @@ class KeyIndex(Expiring[str, tuple[str, float]]):
         # Once a window has passed, the same key may be accepted again as a new message.
         # A later update of the older message must not take the key back, so the newest
         # message holding a key keeps it, whatever the record order.
+        # The same holder again (each update of its message is a Put) changes nothing:
+        # setting it would file the key under its slice once more.
         held = self.get(key)
-        if held is None or (created, queue_id) >= (held[1], held[0]):
+        if held is None or (created, queue_id) > (held[1], held[0]):
             self[key] = (queue_id, created)
