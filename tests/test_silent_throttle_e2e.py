@@ -130,5 +130,5 @@ def test_a_loaded_machine_does_not_cut_a_fast_receiver(start_daemon):
             stop.set()
             for hog in hogs:
                 hog.join(10)
-        assert not events(daemon, "latency_slowed")
+        assert not events(daemon, "latency_slowed"), repr(events(daemon, "latency_slowed"))
         assert peer.max_sessions == 6

@@ -23,6 +23,7 @@ import random
 from collections.abc import Awaitable, Callable
 
 from ..logs import get_logger
+from ..process_stats import cpu_waited
 from ..routing.nexthop import NextHop
 from ..routing.relays import Relay
 from ..scheduler.actions import Close, Connect, Dispatch, GiveUp, Release, Send, Wake
@@ -100,12 +101,15 @@ class Driver:
 
     async def watch_lag(self) -> None:
         """Tell the core how late the event loop runs: a reply that a busy loop read late
-        was not sent late by its destination (policy/latency.py, our own load)."""
+        was not sent late by its destination (policy/latency.py, our own load). How late
+        is the timer's lateness or, if more, what the loop's thread waited for a CPU over
+        the tick (each wake-up on a loaded machine waits, not only the timer's)."""
         loop = asyncio.get_running_loop()
         while not self.closing:
-            planned = loop.time() + LAG_TICK
+            planned, waited = loop.time() + LAG_TICK, cpu_waited()
             await asyncio.sleep(LAG_TICK)
-            self.core.load.lag(self.now(), max(0.0, loop.time() - planned))
+            late = max(loop.time() - planned, cpu_waited() - waited)
+            self.core.load.lag(self.now(), max(0.0, late))
 
     def _tick(self) -> None:
         self._timer = None
