@@ -42,11 +42,11 @@ is near all the while. The latency is `calm` while every kind's last round since
 changed was, the dot's included.
 
 Our own load is not the destination's (`OwnLoad`): the driver reports how late its event
-loop runs (its timer, or the CPU its thread waited for), and a sample is judged without the loop's lag of the last LAG_WINDOW (a reply
-read late was not sent late). A round over its baseline is ours, not the destination's,
-while the loop lags FLOOR or more, or when most of the destinations that closed a round in
-the last CROWD_WINDOW (at least CROWD of them) were over theirs alike: this machine, its
-network or its DNS.
+loop runs (its timer, or the CPU its thread waited for), and a sample is judged without the
+loop's lag of the last LAG_WINDOW (a reply read late was not sent late). A round over its
+baseline is ours, not the destination's, while the loop lags FLOOR or more, or when most of
+the destinations that closed a round in the last CROWD_WINDOW (at least CROWD of them) were
+over theirs alike: this machine, its network or its DNS.
 """
 
 from __future__ import annotations
