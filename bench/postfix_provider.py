@@ -1,7 +1,7 @@
 """A real Postfix as the provider: greylisting (postgrey) and anvil limits, shipped defaults.
 
     python bench/postfix_provider.py [--messages 300] [--greylist 5] [--connections 3]
-                                     [--rate 60] [--rate-unit 10] [--skip-postfix]
+                                     [--rate 60] [--rate-unit 10] [--skip-postfix] [--flush]
 
 The recovery storm's backlog (recovery_storm.py: 2% p0, 18% p1, 80% p2, each message to its
 own mailbox, queued while delivery is off, then released) sent to a private Postfix 3.7
@@ -23,6 +23,11 @@ provider's window), and a stock Postfix (default concurrency; its timers scaled 
 way: minimal_backoff_time = the greylist window), filled with delivery deferred and then
 relayed to the provider and flushed.
 
+`--flush` adds mtaqueue a second way, the outage as a running daemon meets it
+(outage_flush.py does the same with the synthetic providers): delivery on, the provider's
+Postfix not running (its port refuses) while the backlog is submitted and for the rest of
+the outage, then started, then `mtaqueue-ctl flush --all` (the release).
+
 Minimum drain time: anvil counts MAILs in windows of `rate_unit` seconds, each starting at
 the first MAIL after the previous one ended, `rate` allowed in each (refused ones count
 too, within their window); N messages need 2N MAILs (one greylisted first attempt each), so
@@ -40,6 +45,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -53,7 +59,9 @@ from common import free_port, work_directory  # noqa: E402
 from postfix_instance import PostfixInstance, Postgrey, postfix_available, received  # noqa: E402
 from recovery_storm import (  # noqa: E402
     DOMAINS,
+    MTAQUEUE_PORT,
     SINK_IP,
+    Daemon,
     Run,
     Scenario,
     fmt,
@@ -65,6 +73,8 @@ from recovery_storm import (  # noqa: E402
     read_daemon_log,
     release_postfix,
     sample_until_drained,
+    submit,
+    wait_outage,
 )
 from synthetic_peer import SyntheticPeer  # noqa: E402
 
@@ -93,6 +103,10 @@ class Receiver:
             main_cf=main_cf,
             cleanup=not args.keep,
         )
+
+    @property
+    def port(self) -> int:
+        return int(RECEIVER.rsplit(":", 1)[1])
 
     def __enter__(self) -> Receiver:
         self.postgrey.start()
@@ -142,21 +156,28 @@ def run_directory(workdir: Path, name: str) -> tuple[Path, SyntheticPeer]:
     return workdir, SyntheticPeer([f"{SINK_IP}:0"]).start()
 
 
-def run_mtaqueue(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
+def provider_dns():
+    """A DNS server on loopback: the backlog's domains' MX is the provider's host."""
     from dns_server import DnsServer
 
+    dns = DnsServer().start()
+    for domain in DOMAINS:
+        dns.add(domain, "MX", "10 mx1.provider.test")
+    dns.add("mx1.provider.test", "A", "127.0.0.1")
+    return dns
+
+
+def run_mtaqueue(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
     s = scenario(args)
     run = Run("shipped", "mtaqueue (shipped config)", plan(s.messages, "pfm"))
     workdir, sink = run_directory(workdir, "mtaqueue")
-    dns = DnsServer().start()
+    dns = provider_dns()
     daemon = None
     with Receiver(workdir, args) as receiver:
         try:
-            for domain in DOMAINS:
-                dns.add(domain, "MX", "10 mx1.provider.test")
-            dns.add("mx1.provider.test", "A", "127.0.0.1")
-            port = int(RECEIVER.rsplit(":", 1)[1])
-            cfg = mtaqueue_config(s, workdir / "spool", port, sink.port, dns.address, False, False)
+            cfg = mtaqueue_config(
+                s, workdir / "spool", receiver.port, sink.port, dns.address, False, False
+            )
             daemon = queue_and_release(run, s, workdir, cfg, args.mq_option)
             sample_until_drained(
                 run, lambda: daemon.ask("status")[0]["messages"], timeout, check=daemon.check
@@ -168,6 +189,45 @@ def run_mtaqueue(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
                 daemon.stop()
             dns.stop()
             run.dsns = sink.stop()["messages"]["accepted"]
+    run.extra["log"] = read_daemon_log(workdir / "release.log")
+    return run, receiver.log
+
+
+def run_mtaqueue_flush(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
+    """The outage live: the provider's Postfix down while the backlog is submitted to a
+    running daemon, then started, then `flush --all` (t = 0)."""
+    s = scenario(args)
+    label = "mtaqueue (shipped config), outage then flush --all"
+    run = Run("flush", label, plan(s.messages, "pff"))
+    workdir, sink = run_directory(workdir, "mtaqueue-flush")
+    dns = provider_dns()
+    receiver, daemon = Receiver(workdir, args), None
+    receiver.postgrey.start()
+    try:
+        cfg = mtaqueue_config(
+            s, workdir / "spool", receiver.port, sink.port, dns.address, False, False
+        )
+        daemon = Daemon(workdir, "release", cfg, args.mq_option)  # (read_daemon_log's name)
+        daemon.start()
+        first = time.time()
+        run.submit_s = submit("127.0.0.1", MTAQUEUE_PORT, run.planned, s.sessions, s.size)
+        wait_outage(first, s)
+        receiver.pf.start()
+        run.release = time.time()
+        [flushed] = daemon.ask("flush", {"all": True})
+        run.startup_s = time.time() - run.release  # (how long the flush command took)
+        run.notes.append(f"flush --all: {flushed}")
+        sample_until_drained(
+            run, lambda: daemon.ask("status")[0]["messages"], timeout, check=daemon.check
+        )
+    except Exception as exc:
+        run.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        dns.stop()
+        run.dsns = sink.stop()["messages"]["accepted"]
+        receiver.__exit__(None)
     run.extra["log"] = read_daemon_log(workdir / "release.log")
     return run, receiver.log
 
@@ -264,6 +324,7 @@ def main() -> int:
     add("--timeout", type=float, help="drain timeout per run, s (default 4 x T_min + 60)")
     add("--skip-mtaqueue", action="store_true")
     add("--skip-postfix", action="store_true")
+    add("--flush", action="store_true", help="also mtaqueue with the outage live, then a flush")
     add("--mq-option", action="append", default=[], metavar="SECTION.KEY=VALUE")
     add("--keep", action="store_true")
     args = parser.parse_args()
@@ -282,6 +343,8 @@ def main() -> int:
     with work_directory("postfix-provider-", keep=args.keep) as workdir:
         if not args.skip_mtaqueue:
             results.append(run_mtaqueue(args, workdir, timeout))
+        if args.flush:
+            results.append(run_mtaqueue_flush(args, workdir, timeout))
         if not args.skip_postfix:
             results.append(run_postfix(args, workdir, timeout))
     figs = []

@@ -93,8 +93,15 @@ def group(tag: str, rcpts: tuple[str, ...], chunking: bool) -> list[str]:
 
 
 def read_by_exim(exim: EximInstance) -> list[str]:
-    (commands,) = [c for c in exim.commands() if c[0].startswith("EHLO")]  # not the probe
-    return commands
+    """The commands of our session (not the start probe's), once Exim logged our QUIT: on a
+    loaded machine its debug log may trail the replies we already read."""
+    deadline = time.monotonic() + 10
+    while True:
+        ours = [c for c in exim.commands() if c and c[0].startswith("EHLO")]
+        if (len(ours) == 1 and ours[0][-1] == "QUIT") or time.monotonic() > deadline:
+            (commands,) = ours
+            return commands
+        time.sleep(0.05)
 
 
 def stored(exim: EximInstance, count: int) -> list[tuple[str, str, str]]:
