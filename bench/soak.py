@@ -3,14 +3,18 @@
     python bench/soak.py [--minutes 120] [--rate 25] [--warmup 10] [--tracemalloc N]
                          [--kill-writer-at MINUTES] [--json FILE] [--keep]
                          [--snapshots DIR] [--dedupe-window DURATION]
+                         [--suppression-ttl DURATION]
     python bench/soak.py --compare DIR      # diff the snapshots kept by --snapshots
 
 The daemon (a subprocess, the shipped conf/mtaqueue.toml; overridden only: spool.path,
 listen.address, dns.nameservers, metrics.address, log.level=warning and delivery.port, the
 one port of every loopback MX host; and submission.dedupe_window with --dedupe-window: an
 idempotency key is live for the whole window, 24 h as shipped, so a run shorter than that
-shows keys forgotten only with a shorter one, as the suppressions' 2-minute TTL does; no
-timer is shortened, so greylisted and deferred mail
+shows keys forgotten only with a shorter one, as the suppressions' 2-minute TTL does; and
+suppression.ttl with --suppression-ttl: a hard-bounced address is suppressed for 30 days as
+shipped, and the traffic below bounces a new address ~1.25 times a second, so with the
+shipped TTL that list only grows in a run (live state, ~340 bytes an address in each
+process); no timer is shortened, so greylisted and deferred mail
 waits out the shipped 5/15/30/60 min schedule: the queue is level, not empty) gets mail
 from our own SMTP clients (smtplib, 8 threads) at `--rate` messages per second for
 `--warmup` + `--minutes` minutes, each with a unique Message-ID and
@@ -68,8 +72,15 @@ REPO = Path(__file__).resolve().parent.parent
 SERIES = [
     ("daemon_rss_mb", "MB"), ("writer_rss_mb", "MB"), ("daemon_files", ""),
     ("writer_files", ""), ("daemon_threads", ""), ("writer_threads", ""), ("tasks", ""),
-    ("spool_files", ""), ("journal_mb", "MB"), ("queue", ""),
+    ("spool_files", ""), ("journal_mb", "MB"), ("queue", ""), ("keys", ""),
+    ("suppressions", ""),
 ]  # fmt: skip
+# Gauges read from /metrics each sample: the daemon's tasks and its two maps of live state.
+GAUGES = {
+    "tasks": "mtaqueue_process_tasks ",
+    "keys": 'mtaqueue_memory_entries{map="idempotency_keys"}',
+    "suppressions": 'mtaqueue_memory_entries{map="suppressions"}',
+}
 WRITER_SERIES = {"writer_rss_mb", "writer_files", "writer_threads"}
 
 
@@ -101,16 +112,19 @@ def ctl(spool: Path, *args: str) -> str:
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120).stdout
 
 
-def tasks(metrics: str) -> float | None:
+def gauges(metrics: str) -> dict[str, float | None]:
+    """GAUGES as /metrics shows them now (None: not served)."""
+    found: dict[str, float | None] = dict.fromkeys(GAUGES)
     try:
         with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as reply:
             text = reply.read().decode()
     except OSError:
-        return None
+        return found
     for line in text.splitlines():
-        if line.startswith("mtaqueue_process_tasks"):
-            return float(line.split()[-1])
-    return None
+        for name, prefix in GAUGES.items():
+            if line.startswith(prefix):
+                found[name] = float(line.split()[-1])
+    return found
 
 
 def spool_counts(spool: Path) -> tuple[int, float]:
@@ -134,7 +148,7 @@ def sample(t0: float, mq: Mtaqueue, rx: Receivers, sub: Submitter, metrics: str)
     for prefix, values in (("daemon", daemon), ("writer", writer)):
         rss, fds, threads = values or (None, None, None)
         row |= {f"{prefix}_rss_mb": rss, f"{prefix}_files": fds, f"{prefix}_threads": threads}
-    row |= {"tasks": tasks(metrics), "spool_files": files, "journal_mb": journal, "queue": queue}
+    row |= gauges(metrics) | {"spool_files": files, "journal_mb": journal, "queue": queue}
     row |= {"submitted": sub.submitted, "acked": len(sub.acked), "retries": sub.retries}
     row |= {"delivered": rx.delivered(), "dsns": rx.dsns()}
     return row
@@ -310,6 +324,11 @@ def main() -> int:
         help="submission.dedupe_window (default: the shipped 24h, longer than any run: the"
         " keys then only grow; a window shorter than the run shows them forgotten)",
     )
+    parser.add_argument(
+        "--suppression-ttl",
+        metavar="DURATION",
+        help="suppression.ttl (default: the shipped 30d: the bounced addresses then only grow)",
+    )
     args = parser.parse_args()
     if args.compare:
         compare_snapshots(snapshot_groups(args.compare))
@@ -332,6 +351,7 @@ def main() -> int:
             f'dns.nameservers=["{rx.dns.address}"]', f"metrics.address={metrics}",
             f"delivery.port={rx.port}",
             *([f"submission.dedupe_window={args.dedupe_window}"] if args.dedupe_window else []),
+            *([f"suppression.ttl={args.suppression_ttl}"] if args.suppression_ttl else []),
         )  # fmt: skip
         os.environ.update(env)  # the daemon inherits it (and its writer)
         try:
@@ -344,8 +364,10 @@ def run(args, rx: Receivers, mq: Mtaqueue, metrics: str, total: float, kill_at: 
     mq.launch()
     mq.wait_accepting(120)  # its probe goes to example.org: refused by Unbound, stays queued
     window = args.dedupe_window or "24h (shipped)"
+    ttl = args.suppression_ttl or "30d (shipped)"
     print(f"soak: {args.warmup:g} + {args.minutes:g} min at {args.rate:g} msg/s, "
-          f"writer killed at minute {kill_at:g}, dedupe window {window}", flush=True)  # fmt: skip
+          f"writer killed at minute {kill_at:g}, dedupe window {window}, "
+          f"suppression TTL {ttl}", flush=True)  # fmt: skip
     t0 = time.monotonic()
     sub = Submitter(mq.port, args.rate, t0 + total * 60)
     stop = threading.Event()
