@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from . import heap
 from .logs import get_logger
 from .spool.expiring import prune_period
 from .spool.store import RecoveryReport, Spool
@@ -88,6 +89,7 @@ class SpoolUpkeep:
             if time.monotonic() >= prune_at:
                 prune_at = time.monotonic() + prune_period(self.spool.dedupe_window)
                 self.spool.prune(time.time())
+                heap.trim()  # (what the prune and a minute's churn freed, back to the kernel)
             was_ok = self.spool.disk_ok
             self.spool.refresh_free_space()
             if was_ok != self.spool.disk_ok:

@@ -1,14 +1,12 @@
 """The spool writer: a child process that makes every change durable.
 
-It runs apart from the daemon so that its many blocking syscalls (open, write, fsync, rename
-per message) never wait for the daemon's GIL: in one process, a committer thread that needs
-the GIL back after each syscall is starved by a busy event loop (measured: 2,200 fsynced
-files/s alone, 48/s beside a busy thread; see bench/RESULTS.md).
+Apart from the daemon, its blocking syscalls (open, write, fsync, rename per message) never
+wait for the daemon's GIL (in one process, 2,200 fsynced files/s alone, 48/s beside a busy
+event loop; bench/RESULTS.md).
 
 Protocol, over a socketpair: the daemon sends a `Batch` of operations, the writer answers with
-one `BatchResult` after everything in it is durable. One batch is in flight at a time, so
-while the writer syncs one round the next round accumulates in the daemon: that is the group
-commit.
+one `BatchResult` once all of it is durable. One batch is in flight at a time: while the
+writer syncs one round the next accumulates in the daemon (the group commit).
 
 Per round: message files are written, fsynced (from several threads at once: concurrent fsyncs
 share the file system's journal commits) and renamed into place; each touched directory is
@@ -37,7 +35,7 @@ from pathlib import Path
 
 import msgspec
 
-from .. import memory_trace
+from .. import heap, memory_trace
 from ..dkim.keys import PrivateKey, load_private
 from ..dkim.signature import PendingSignature, fill
 from ..events import derive
@@ -388,6 +386,7 @@ class SpoolWriter:
         self._prune_at = time.monotonic() + prune_period(self.dedupe_window)
         self._bury()
         self.state.forget_before(now, now - self.dedupe_window)
+        heap.trim()
 
     def compact(self) -> None:
         self.prune()
@@ -442,12 +441,12 @@ def serve(sock: socket.socket, writer: SpoolWriter) -> None:
     """Answer batches until the daemon closes its end."""
     decoder = msgspec.msgpack.Decoder(Batch)
     encoder = msgspec.msgpack.Encoder()
-    buffer = bytearray()
+    buffer, chunk = bytearray(), memoryview(bytearray(1 << 20))  # (a new MiB a recv: churn)
     while True:
-        data = sock.recv(1 << 20)
-        if not data:
+        size = sock.recv_into(chunk)
+        if not size:
             return
-        buffer += data
+        buffer += chunk[:size]
         for payload in split_frames(buffer):
             outcomes = _answer(writer, decoder, payload)
             result = BatchResult(outcomes, writer.events.last_seq)
