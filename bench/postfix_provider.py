@@ -167,56 +167,30 @@ def provider_dns():
     return dns
 
 
-def run_mtaqueue(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
+def run_mtaqueue(args, workdir: Path, timeout: float, flush: bool = False) -> tuple[Run, dict]:
+    """mtaqueue with the shipped config: the backlog queued with delivery off, then a
+    restart (the release); with `flush`, the outage live instead: the provider's Postfix
+    down while the backlog is submitted to a running daemon, then started, then
+    `flush --all` (t = 0)."""
     s = scenario(args)
-    run = Run("shipped", "mtaqueue (shipped config)", plan(s.messages, "pfm"))
-    workdir, sink = run_directory(workdir, "mtaqueue")
-    dns = provider_dns()
-    daemon = None
-    with Receiver(workdir, args) as receiver:
-        try:
-            cfg = mtaqueue_config(
-                s, workdir / "spool", receiver.port, sink.port, dns.address, False, False
-            )
-            daemon = queue_and_release(run, s, workdir, cfg, args.mq_option)
-            sample_until_drained(
-                run, lambda: daemon.ask("status")[0]["messages"], timeout, check=daemon.check
-            )
-        except Exception as exc:
-            run.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            if daemon is not None:
-                daemon.stop()
-            dns.stop()
-            run.dsns = sink.stop()["messages"]["accepted"]
-    run.extra["log"] = read_daemon_log(workdir / "release.log")
-    return run, receiver.log
-
-
-def run_mtaqueue_flush(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
-    """The outage live: the provider's Postfix down while the backlog is submitted to a
-    running daemon, then started, then `flush --all` (t = 0)."""
-    s = scenario(args)
-    label = "mtaqueue (shipped config), outage then flush --all"
-    run = Run("flush", label, plan(s.messages, "pff"))
-    workdir, sink = run_directory(workdir, "mtaqueue-flush")
+    name, label, tag = (
+        ("flush", ", outage then flush --all", "pff") if flush else ("shipped", "", "pfm")
+    )
+    run = Run(name, f"mtaqueue (shipped config){label}", plan(s.messages, tag))
+    workdir, sink = run_directory(workdir, f"mtaqueue-{run.name}")
     dns = provider_dns()
     receiver, daemon = Receiver(workdir, args), None
     receiver.postgrey.start()
     try:
+        if not flush:
+            receiver.pf.start()
         cfg = mtaqueue_config(
             s, workdir / "spool", receiver.port, sink.port, dns.address, False, False
         )
-        daemon = Daemon(workdir, "release", cfg, args.mq_option)  # (read_daemon_log's name)
-        daemon.start()
-        first = time.time()
-        run.submit_s = submit("127.0.0.1", MTAQUEUE_PORT, run.planned, s.sessions, s.size)
-        wait_outage(first, s)
-        receiver.pf.start()
-        run.release = time.time()
-        [flushed] = daemon.ask("flush", {"all": True})
-        run.startup_s = time.time() - run.release  # (how long the flush command took)
-        run.notes.append(f"flush --all: {flushed}")
+        if flush:
+            daemon = outage_then_flush(run, s, workdir, cfg, args.mq_option, receiver)
+        else:
+            daemon = queue_and_release(run, s, workdir, cfg, args.mq_option)
         sample_until_drained(
             run, lambda: daemon.ask("status")[0]["messages"], timeout, check=daemon.check
         )
@@ -230,6 +204,26 @@ def run_mtaqueue_flush(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
         receiver.__exit__(None)
     run.extra["log"] = read_daemon_log(workdir / "release.log")
     return run, receiver.log
+
+
+def outage_then_flush(run: Run, s: Scenario, workdir: Path, cfg, overrides, receiver) -> Daemon:
+    """The daemon running while the backlog is submitted and the provider is down, then
+    the provider started and `flush --all`: the release. Returns the running daemon."""
+    daemon = Daemon(workdir, "release", cfg, overrides)  # (read_daemon_log's name)
+    try:
+        daemon.start()
+        first = time.time()
+        run.submit_s = submit("127.0.0.1", MTAQUEUE_PORT, run.planned, s.sessions, s.size)
+        wait_outage(first, s)
+        receiver.pf.start()
+        run.release = time.time()
+        [flushed] = daemon.ask("flush", {"all": True})
+        run.startup_s = time.time() - run.release  # (how long the flush command took)
+        run.notes.append(f"flush --all: {flushed}")
+    except BaseException:
+        daemon.stop()
+        raise
+    return daemon
 
 
 def run_postfix(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
@@ -344,7 +338,7 @@ def main() -> int:
         if not args.skip_mtaqueue:
             results.append(run_mtaqueue(args, workdir, timeout))
         if args.flush:
-            results.append(run_mtaqueue_flush(args, workdir, timeout))
+            results.append(run_mtaqueue(args, workdir, timeout, flush=True))
         if not args.skip_postfix:
             results.append(run_postfix(args, workdir, timeout))
     figs = []
