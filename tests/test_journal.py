@@ -26,6 +26,8 @@ from mtaqueue.spool.journal import (
     replay,
 )
 from mtaqueue.spool.records import (
+    Buried,
+    Continues,
     Delete,
     JournalState,
     KeyKept,
@@ -519,3 +521,42 @@ def test_a_replayed_segment_is_read_through_a_map_whose_pages_are_dropped(tmp_pa
     assert same(result.state, applied(recs))
     assert len(dropped) > 1 and dropped[0][0] == 0
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(dropped))
+
+
+@given(st.data())
+def test_burials_never_bring_a_message_back(data):
+    """Buried records (the writer's, after a Delete) and the Continues a starting writer
+    puts first in its segment: across any segments, replay keeps exactly the live
+    messages, and of the tombstones only those not yet buried (plus, where a segment may
+    have older ones under it, those it cannot tell)."""
+    live: set[str] = set()
+    pending: set[str] = set()  # deleted, not yet buried
+    gone: set[str] = set()
+    groups: list[list[Record]] = [[]]
+    for step in data.draw(st.lists(st.sampled_from(["put", "delete", "bury", "segment"]))):
+        if step == "put":
+            fresh = [i for i in IDS if i not in gone and i not in pending]
+            if fresh:
+                queue_id = data.draw(st.sampled_from(fresh))
+                groups[-1].append(Put(message(queue_id)))
+                live.add(queue_id)
+        elif step == "delete" and live:
+            queue_id = data.draw(st.sampled_from(sorted(live)))
+            groups[-1].append(Delete(queue_id, "delivered"))
+            live.discard(queue_id)
+            pending.add(queue_id)
+        elif step == "bury" and pending:
+            groups[-1].append(Buried(sorted(pending)))
+            gone |= pending
+            pending = set()
+        elif step == "segment":  # a writer's start, with a Continues or (an older one) without
+            continues = data.draw(st.booleans())
+            groups.append([Continues(max(live, default=""))] if continues else [])
+    with journal_dir() as d:
+        for seq, group in enumerate(groups, 1):
+            segment(d, seq).write_bytes(b"".join(map(encode, group)))
+        state = replay(d).state
+    assert set(state.messages) == live
+    assert pending <= set(state.deleted) <= pending | gone
+    if len(groups) == 1:
+        assert set(state.deleted) == pending

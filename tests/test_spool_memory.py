@@ -15,7 +15,15 @@ from mtaqueue.spool import journal
 from mtaqueue.spool.expiring import SLICE, Expiring, prune_period
 from mtaqueue.spool.key_index import KeyIndex
 from mtaqueue.spool.layout import SpoolLayout
-from mtaqueue.spool.records import Suppress
+from mtaqueue.spool.records import (
+    Buried,
+    Continues,
+    Delete,
+    JournalState,
+    Put,
+    SnapshotDone,
+    Suppress,
+)
 from mtaqueue.spool.writer import OK, Accept, Remove, SpoolWriter
 
 IDS = iter(f"{0x77175AA83CCEC000 + i:016X}" for i in range(1000))
@@ -106,9 +114,73 @@ def test_the_writer_forgets_ended_state_as_batches_come_not_at_compaction(tmp_pa
     assert writer.state.deleted == {}  # its file is gone for good: the tombstone too
     assert writer.journal.size > size  # appended to, not compacted
     writer.close()
-    # The journal still says it all: a replay brings them back, to be forgotten again.
+    # The journal says the file is gone (a Buried): a replay holds no tombstone for it.
+    # It still holds the key, unless told where the window starts (as both processes do).
     state = journal.replay(layout.journal, repair=False).state
-    assert "old-key" in state.keys and old.id in state.deleted
+    assert state.deleted == {} and "old-key" in state.keys
+    state = journal.replay(layout.journal, repair=False, keys_after=now - 2.0).state
+    assert set(state.keys) == {"live-key", "another"}
+
+
+def test_a_restarted_writer_holds_what_is_live_not_what_the_journal_saw(tmp_path):
+    """Replay after much traffic: no tombstone of a buried message, no key of a closed
+    window, however far the journal is from its compaction; also over a restart (a
+    segment that continues an older one)."""
+    layout = SpoolLayout(tmp_path / "spool")
+    layout.create()
+
+    def traffic(writer: SpoolWriter) -> Message:
+        for _ in range(3):
+            batch = [message(time.time() - 3600, f"k{i}") for i in range(100)]
+            assert writer.commit([Accept(m, b"x\r\n") for m in batch]) == [OK] * 100
+            assert writer.commit([Remove(m.id, "delivered") for m in batch]) == [OK] * 100
+            writer._prune_at = 0.0  # the next batch prunes (as a minute later): buries them
+        live = message(time.time(), "live")
+        assert writer.commit([Accept(live, b"y\r\n")]) == [OK]
+        return live
+
+    writer = SpoolWriter(layout.root, compact_size=1 << 30, dedupe_window=60.0)
+    carried = traffic(writer)  # live across the restart: its tombstone is kept over it
+    writer.close()
+    writer = SpoolWriter(layout.root, compact_size=1 << 30, dedupe_window=60.0)
+    assert writer.commit([Remove(carried.id, "delivered")]) == [OK]
+    live = traffic(writer)
+    writer.close()
+    assert len(journal.list_segments(layout.journal)) == 2  # never compacted
+    state = journal.replay(layout.journal, repair=False, keys_after=time.time() - 60).state
+    assert list(state.messages) == [live.id]
+    assert set(state.deleted) == {carried.id}  # of 601 deleted
+    assert set(state.keys) == {"live"}
+    restarted = SpoolWriter(layout.root, compact_size=1 << 30, dedupe_window=60.0)
+    assert list(restarted.state.messages) == [live.id] and restarted.state.deleted == {}
+    restarted.close()
+
+
+def merged(older: list, newer: list) -> JournalState:
+    """Two segments' records, each replayed into a state of its own, the newer merged on."""
+    states = JournalState(), JournalState()
+    for state, records in zip(states, (older, newer), strict=True):
+        for record in records:
+            state.apply(record)
+    states[0].update(states[1])
+    return states[0]
+
+
+def test_a_burial_read_after_the_delete_in_a_newer_segment_still_removes_the_message():
+    """Segments replay into states of their own, merged oldest first: a Delete and its
+    Buried in a newer segment must drop a message put in an older one."""
+    live = message(time.time(), "k")
+    put, delete, buried = Put(live), Delete(live.id, "delivered"), Buried([live.id])
+    state = merged([put], [delete, buried])
+    assert live.id not in state.messages and live.id in state.deleted
+    # A Buried whose Delete the segment did not hold stands as a tombstone for the merge.
+    state = merged([put, delete], [buried])
+    assert live.id not in state.messages and live.id in state.deleted
+    # In the oldest segment, or after a snapshot, nothing is merged under: it goes.
+    assert merged([], [SnapshotDone(), put, delete, buried]).deleted == {}
+    # After a Continues, only the ids it says may be in older segments keep theirs.
+    state = merged([], [Continues(live.id), Buried([live.id, "FFFFFFFFFFFFFFFF"])])
+    assert set(state.deleted) == {live.id}
 
 
 def test_expired_dns_answers_go_without_being_asked_for_again():

@@ -335,6 +335,7 @@ def replay(
     repair: bool = True,
     segments: list[tuple[Path, BinaryIO | OSError]] | None = None,
     noted_after: int | None = None,
+    keys_after: float = 0.0,
 ) -> ReplayResult:
     """Rebuild the state from the journal, cutting a torn tail off the last segment.
 
@@ -343,6 +344,7 @@ def replay(
     owner has already repaired, or one that repairs later: `cut_torn_tail`).
     `segments`: the journal's, opened by `open_segments` (else they are opened here).
     `noted_after`: keep the events numbered above it (JournalState.noted).
+    `keys_after`: keep the idempotency keys created since then (JournalState).
 
     Segments are read newest first, so that those older than the last snapshot are
     never read; each is replayed into a state of its own, on which the state of the
@@ -350,14 +352,16 @@ def replay(
     """
     opened = open_segments(directory) if segments is None else segments
     try:
-        return _replay(opened, repair, noted_after)
+        return _replay(opened, repair, lambda: JournalState(noted_after, keys_after))
     finally:
         if segments is None:
             close_segments(opened)
 
 
 def _replay(
-    opened: list[tuple[Path, BinaryIO | OSError]], repair: bool, noted_after: int | None
+    opened: list[tuple[Path, BinaryIO | OSError]],
+    repair: bool,
+    new_state: Callable[[], JournalState],
 ) -> ReplayResult:
     paths = [path for path, _ in opened]
     state: JournalState | None = None  # of the segments read so far
@@ -366,7 +370,9 @@ def _replay(
     segments = count = dropped = skipped_frames = skipped_bytes = intact_end = 0
     for index in range(len(paths) - 1, -1, -1):
         path, file = opened[index]
-        older = JournalState(noted_after)
+        older = new_state()
+        if index == 0:
+            older.older_ids = ""
         lines: list[str] = []
         damage.append(lines)
         try:
@@ -400,12 +406,14 @@ def _replay(
         if state is not None:
             older.update(state)
         state = older
-        # A snapshot with a hole is no base: older segments may hold what it lost.
+        # A snapshot with a hole is no base: older segments may hold what it lost (and
+        # a message whose tombstone a Buried dropped comes back from them: its file is
+        # gone, so the daemon ends it as lost; a second fault, never a silent one).
         if read.snapshot and not read.skipped:
             obsolete = paths[:index]
             break
     return ReplayResult(
-        state=state if state is not None else JournalState(noted_after),
+        state=state if state is not None else new_state(),
         segments=segments,
         records=count,
         dropped_bytes=dropped,

@@ -76,7 +76,23 @@ class Noted(msgspec.Struct, tag=6, array_like=True, frozen=True, gc=False):
     record: bytes
 
 
-Record = Put | Delete | KeyKept | SnapshotDone | Suppress | Unsuppress | Noted
+class Buried(msgspec.Struct, tag=7, array_like=True, frozen=True, gc=False):
+    """Deleted messages whose files are gone for good (`SpoolWriter._bury`): their
+    tombstones may go. A replay then holds only the tombstones not yet buried, not one
+    for every message deleted since the last snapshot."""
+
+    ids: list[str]
+
+
+class Continues(msgspec.Struct, tag=8, array_like=True, frozen=True, gc=False):
+    """First in the segment a writer opens as it starts (when it does not compact): the
+    messages live in the older segments all have ids up to `last_id`, so a Buried of
+    a newer id needs no tombstone to drop it from them at replay (queue ids grow)."""
+
+    last_id: str
+
+
+Record = Put | Delete | KeyKept | SnapshotDone | Suppress | Unsuppress | Noted | Buried | Continues
 
 # A Put's payload is [0, Message]: a fixarray of two, then tag 0, then the Message.
 PUT_PREFIX = b"\x92\x00"
@@ -208,10 +224,13 @@ class JournalState:
     `deleted` holds the tombstones: messages whose Delete was read, by id (-> reason).
     Recovery re-adopts a message file the journal does not know, so a Delete may be
     forgotten only once its file is gone for good; until the writer has made sure of
-    that (`SpoolWriter._bury`), snapshots carry the Delete.
+    that (`SpoolWriter._bury`, which then journals a `Buried`), snapshots carry the Delete.
+
+    `keys_after`: a replay keeps only the keys created since then (the dedupe window's
+    start), so that it never holds the keys of every message since the last snapshot.
     """
 
-    def __init__(self, noted_after: int | None = None) -> None:
+    def __init__(self, noted_after: int | None = None, keys_after: float = 0.0) -> None:
         self.messages = MessageMap()
         # Events: the newest seq read, and (for the writer, rebuilding the event log's
         # tail) the encoded events numbered above `noted_after`, in order.
@@ -219,6 +238,11 @@ class JournalState:
         self.noted_after = noted_after
         self.noted: list[bytes] = []
         self.keys = KeyIndex()
+        self.keys_after = keys_after
+        # Ids up to which a message may be live in older segments, merged under this
+        # state later (`update`): "" for none (it holds a snapshot, or the replay says
+        # it is the oldest), None for any. A Buried drops the tombstones above it.
+        self.older_ids: str | None = None
         self.suppressed = suppressions()  # address (lower case) -> entry
         self.deleted: dict[str, str] = {}
         self._unsuppressed: set[str] = set()  # whose last record read is an Unsuppress
@@ -235,7 +259,8 @@ class JournalState:
             self.messages.pop(rec.id)
             self.deleted[rec.id] = rec.reason
         elif type(rec) is KeyKept:
-            self.keys.keep(rec.key, rec.id, rec.created)
+            if rec.created >= self.keys_after:
+                self.keys.keep(rec.key, rec.id, rec.created)
         elif type(rec) is Suppress:
             self.suppressed[rec.address] = rec
             self._unsuppressed.discard(rec.address)
@@ -244,6 +269,12 @@ class JournalState:
             self._unsuppressed.add(rec.address)
         elif type(rec) is Noted:
             self._noted(rec)
+        elif type(rec) is Buried:
+            self._buried(rec.ids)
+        elif type(rec) is SnapshotDone:
+            self.older_ids = ""
+        elif type(rec) is Continues and self.older_ids != "":
+            self.older_ids = rec.last_id
 
     def _noted(self, rec: Noted) -> None:
         if rec.record:
@@ -252,6 +283,14 @@ class JournalState:
         self.last_event_seq = max(self.last_event_seq, last)
         if self.noted_after is not None and last > self.noted_after:
             self.noted.extend(rec.events[max(0, self.noted_after + 1 - rec.first_seq) :])
+
+    def _buried(self, ids: list[str]) -> None:
+        deleted, limit = self.deleted, self.older_ids
+        for queue_id in ids:
+            if limit is not None and queue_id > limit:
+                deleted.pop(queue_id, None)
+            else:  # the tombstone drops the message from the older segments when merged
+                deleted[queue_id] = deleted.get(queue_id, "buried")
 
     def update(self, newer: JournalState) -> None:
         """Apply what the records of `newer` (a state replayed from records that came
@@ -287,14 +326,14 @@ class JournalState:
         if self.deleted:
             self.deleted.pop(head.id, None)
         key = head.dedupe_key
-        if key is not None:
+        if key is not None and head.created >= self.keys_after:
             self.keys.keep(key, head.id, head.created)
         return False
 
     def _put(self, queue_id: str, data: bytes, key: str | None, created: float) -> None:
         self.messages.put_encoded(queue_id, data)
         self.deleted.pop(queue_id, None)
-        if key is not None:
+        if key is not None and created >= self.keys_after:
             self.keys.keep(key, queue_id, created)
 
     def forget_before(self, t: float, keys_before: float) -> None:

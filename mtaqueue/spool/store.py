@@ -33,6 +33,7 @@ from ..ids import IdGenerator
 from ..logs import get_logger
 from ..model import Message
 from . import journal
+from .batch import FULL, Accept, Adopt, Emit, Op, Place, Remove, Update
 from .errors import DISK_LOW, WRITER_DOWN, SpoolLocked, StorageError, StorageFull
 from .finished import Finished, end_state
 from .incoming import ContentSigner, IncomingMessage
@@ -40,7 +41,6 @@ from .key_index import KeyIndex
 from .layout import SpoolLayout
 from .message_file import read_content
 from .records import MessageMap, Suppress, Unsuppress, dedupe_key, suppressions
-from .writer import FULL, Accept, Adopt, Emit, Op, Place, Remove, Update
 from .writer_link import Answer, WriterLink
 
 log = get_logger("spool")
@@ -127,7 +127,11 @@ class Spool:
         try:
             reading = asyncio.ensure_future(
                 asyncio.to_thread(
-                    journal.replay, self.layout.journal, repair=False, segments=segments
+                    journal.replay,
+                    self.layout.journal,
+                    repair=False,
+                    segments=segments,
+                    keys_after=time.time() - self.dedupe_window,
                 )
             )
             try:

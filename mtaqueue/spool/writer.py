@@ -43,83 +43,38 @@ from ..events.event import Event, msgpack_encoder
 from ..framing import frame, split_frames
 from ..model import Message
 from . import journal
+from .batch import (
+    ERROR,
+    FULL,
+    OK,
+    Accept,
+    Adopt,
+    Batch,
+    BatchResult,
+    Emit,
+    Op,
+    Place,
+    Remove,
+    Update,
+)
 from .durable import fsync_dir, fsync_path, is_disk_full, write_all
 from .event_log import EventLogWriter
 from .expiring import prune_period
 from .layout import SpoolLayout
 from .message_file import file_parts
-from .records import Delete, JournalState, Noted, Put, Record, Suppress, Unsuppress
+from .records import (
+    Buried,
+    Continues,
+    Delete,
+    JournalState,
+    Noted,
+    Put,
+    Record,
+    Suppress,
+    Unsuppress,
+)
 
 IO_THREADS = 4
-
-
-class Accept(msgspec.Struct, tag=0, array_like=True, frozen=True):
-    message: Message
-    content: bytes
-    # DKIM signature values to make in `content` before it is written (dkim/service.py).
-    signatures: list[PendingSignature] = []
-
-
-class Update(msgspec.Struct, tag=1, array_like=True, frozen=True):
-    message: Message
-
-
-class Remove(msgspec.Struct, tag=2, array_like=True, frozen=True):
-    id: str
-    reason: str
-    final: Message | None = None  # the last record, when it was not journaled (its events)
-
-
-class Adopt(msgspec.Struct, tag=6, array_like=True, frozen=True):
-    """A message whose file is already in place: make the file and a Put of it durable.
-
-    For a file the journal does not know (the start-up sweep), and, after a writer
-    died, for each accept it had in flight: whatever of it reached the disk, the file
-    decides. Never for a message with a tombstone: that would bring it back.
-    """
-
-    message: Message
-
-
-class Place(msgspec.Struct, tag=7, array_like=True, frozen=True):
-    """A new message whose file the daemon wrote whole as `<ID>.tmp` (streamed as it
-    arrived): fsync it and rename it into place, then as for an accept.
-
-    Sent again as it is if the writer died meanwhile: a file already renamed (by the
-    writer that died, after its fsync) is then taken as it is, as for an adopt.
-    """
-
-    message: Message
-
-
-class Emit(msgspec.Struct, tag=8, array_like=True, frozen=True):
-    """Events that change no state (an address refused at RCPT): journaled and logged."""
-
-    events: list[Event]
-
-
-# Suppression list changes are journal records as they are (tags 4 and 5).
-Op = Accept | Update | Remove | Suppress | Unsuppress | Adopt | Place | Emit
-
-
-class Batch(msgspec.Struct, array_like=True, frozen=True):
-    ops: list[Op]
-    # None: no events are made; else each class's expiry action, for "expired" events.
-    events: dict[str, str] | None = None
-    # DKIM keys (id -> PEM) this writer has not been given yet, for the Accepts' signatures.
-    keys: dict[str, bytes] = {}
-
-
-# An outcome per op: "" = durable, "full:<text>" = no space, "error:<text>" = I/O error.
-# A result with fewer outcomes than ops means the writer could not read the batch.
-class BatchResult(msgspec.Struct, array_like=True, frozen=True):
-    outcomes: list[str]
-    last_event: int = 0  # the seq of the newest event in the event log
-
-
-OK = ""
-FULL = "full:"
-ERROR = "error:"
 
 
 class SpoolWriter:
@@ -134,7 +89,10 @@ class SpoolWriter:
         # which also gives back the events the event log lost (appended after the
         # journal and synced lazily: a crash can cut its tail).
         replayed = journal.replay(
-            self.layout.journal, repair=False, noted_after=self.events.last_seq
+            self.layout.journal,
+            repair=False,
+            noted_after=self.events.last_seq,
+            keys_after=time.time() - dedupe_window,
         )
         self.state: JournalState = replayed.state
         for event in self.state.noted:
@@ -155,6 +113,8 @@ class SpoolWriter:
             with contextlib.suppress(OSError):
                 fsync_path(path)
         self.journal = journal.JournalWriter(self.layout.journal)
+        with contextlib.suppress(Exception):  # else a replay keeps tombstones: no harm
+            self.journal.append(journal.encode(Continues(max(self.state.messages, default=""))))
         self._base_size = 0  # journal size right after the last compaction
         self._prune_at = 0.0  # time.monotonic() of the next prune
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="spool-io")
@@ -401,7 +361,9 @@ class SpoolWriter:
         """Make sure the files of deleted messages are gone for good, so that the next
         snapshot may forget their Delete records: a file that outlived its record would
         be re-adopted. Unlinked again because after a restart nobody knows which
-        unlinks happened; a directory fsync makes them durable."""
+        unlinks happened; a directory fsync makes them durable. Then a `Buried` says so
+        in the journal, so that a replay forgets those tombstones as it reads."""
+        gone: list[str] = []
         dirs: dict[Path, list[str]] = {}
         for queue_id in self.state.deleted:
             try:
@@ -416,6 +378,11 @@ class SpoolWriter:
                 continue
             for queue_id in buried:
                 del self.state.deleted[queue_id]
+            gone += buried
+        if gone:
+            # Lost in a crash, or failed: the tombstones come back, to be buried again.
+            with contextlib.suppress(Exception):
+                self.journal.append(journal.encode(Buried(gone)))
 
     def close(self) -> None:
         self._pool.shutdown()

@@ -28,8 +28,8 @@ import msgspec
 from ..child_process import ChildLink, abandon, start_child
 from ..framing import frame
 from ..logs import get_logger
+from .batch import ERROR, Accept, Adopt, Batch, BatchResult, Op
 from .errors import StorageError
-from .writer import ERROR, Accept, Adopt, Batch, BatchResult, Op
 
 log = get_logger("spool")
 
