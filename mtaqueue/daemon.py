@@ -28,7 +28,7 @@ from pathlib import Path
 
 import uvloop
 
-from . import __version__, config, memory_trace
+from . import __version__, config, heap, memory_trace
 from .alerts import Alerts
 from .api.server import Api, ApiDeps
 from .api.tokens import Tokens
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     configure_logging(cfg.log.level, cfg.log.format)
     memory_trace.install("daemon", Path(cfg.spool.path) / "tracemalloc")
+    heap.one_arena()  # before the first thread
     return uvloop.run(daemon.run())
 
 

@@ -448,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     memory_trace.install("writer", Path(args.root) / "tracemalloc")
+    heap.one_arena()  # before SpoolWriter starts its I/O threads
     sock = socket.socket(fileno=args.fd)
     writer = SpoolWriter(
         Path(args.root), compact_size=args.compact_size, dedupe_window=args.dedupe_window
