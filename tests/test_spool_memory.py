@@ -134,7 +134,7 @@ def test_a_restarted_writer_holds_what_is_live_not_what_the_journal_saw(tmp_path
             batch = [message(time.time() - 3600, f"k{i}") for i in range(100)]
             assert writer.commit([Accept(m, b"x\r\n") for m in batch]) == [OK] * 100
             assert writer.commit([Remove(m.id, "delivered") for m in batch]) == [OK] * 100
-            writer._prune_at = 0.0  # the next batch prunes (as a minute later): buries them
+            writer.prune()  # as a minute later: buries them
         live = message(time.time(), "live")
         assert writer.commit([Accept(live, b"y\r\n")]) == [OK]
         return live

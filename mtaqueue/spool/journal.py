@@ -408,7 +408,7 @@ def _replay(
         state = older
         # A snapshot with a hole is no base: older segments may hold what it lost (and
         # a message whose tombstone a Buried dropped comes back from them: its file is
-        # gone, so the daemon ends it as lost; a second fault, never a silent one).
+        # gone, so its delivery removes it with an error, `message_unreadable`).
         if read.snapshot and not read.skipped:
             obsolete = paths[:index]
             break
