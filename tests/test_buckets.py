@@ -186,3 +186,16 @@ def test_rate_changes_never_let_more_through_than_the_rates_allow(burst, steps):
             earned += events[j - 1][2] * (events[j][0] - events[j - 1][0])
             count += events[j][1]
             assert count <= burst + earned + count * SLACK * fastest + 1e-9
+
+
+def test_after_a_pause_it_resumes_one_token_at_a_time():
+    bucket = TokenBucket(10.0, 5, 0.0)  # full: five at once
+    bucket.resume_at(3.0)
+    assert bucket.wait(2.9) > 0  # nothing before the resume
+    assert bucket.wait(3.0) == 0
+    bucket.take(3.0)
+    assert bucket.wait(3.0) == pytest.approx(0.1)  # then at the rate, not a burst of five
+    slow = TokenBucket(0.1, 1, 0.0)
+    slow.take(0.0)
+    slow.resume_at(5.0)  # half a token earned by then: it does not get a whole one
+    assert slow.wait(5.0) == pytest.approx(5.0)

@@ -62,12 +62,47 @@ def test_a_signal_pauses_and_cuts_to_a_fraction_of_the_acceptance():
     assert learner.rate_reply == "421 4.7.28 rate limited"
 
 
-def test_in_slow_start_the_last_round_counts_as_good():
+def test_leaving_slow_start_halves_what_was_measured():
+    # A site with a burst allowance takes a slow start's first run at any pace, so the run
+    # measures more than its rate: the first signal halves it, as TCP halves at a loss.
     learner = RateLearner(0.0)
-    now = send_for(learner, 0.0, 4.0)
-    rate = learner.rate
-    learner.throttled(now, "421")
-    assert learner.good >= rate / 2  # the ramp undercounts; half the rate went through
+    for i in range(40):  # 10 a second accepted while the ramp went far past it
+        learner.sent(i / 10)
+        learner.delivered(i / 10, 0.0)
+    learner.rate = 64.0
+    measured = learner.accepted(4.0)
+    assert learner.throttled(4.0, "421")
+    assert learner.good == pytest.approx(measured / 2)
+    assert learner.rate == learner.good  # no further cut: the halving is the cut
+    fresh = RateLearner(0.0)
+    fresh.sent(0.0)
+    fresh.delivered(0.0, 0.0)
+    fresh.throttled(0.1, "421")  # measured 1/s over a 1 s floor, sent at 2/s
+    assert fresh.good == pytest.approx(min(rl.SLOW_START, 1.0) / 2)
+
+
+def test_idle_time_before_a_run_is_not_measured():
+    # Flushed after an outage: the run began long after the learner did, and what the
+    # site took is measured over the run, not over the quiet window before it.
+    learner = RateLearner(0.0)
+    for i in range(10):  # 10 a second, from t=100
+        learner.sent(100 + i / 10)
+        learner.delivered(100 + i / 10, 0.0)
+    assert learner.accepted(101.0) == pytest.approx(10.0)
+
+
+def test_a_step_past_the_limit_is_not_the_good_rate():
+    # Probing met the limit just past the last step: the run measures at the rate sent;
+    # the good rate is the one before the step, so recovery stays under the limit.
+    learner = RateLearner(0.0)
+    learner.good, learner.rate = 10.0, 10.0
+    learner._confirmed = True
+    now = send_for(learner, 0.0, 200.0)
+    stepped_from = learner._held
+    assert learner.rate > stepped_from >= 10.0
+    learner.throttled(now, "421 4.7.28 rate limited")
+    assert learner.good == pytest.approx(stepped_from)
+    assert rl.NEAR * learner.good < stepped_from
 
 
 def test_replies_of_one_episode_are_one_signal():
@@ -101,6 +136,35 @@ def test_recovery_is_fast_then_the_probe_is_slow():
         learner.delivered(now, 0.0)
         now += 1.0 / learner.rate
     assert now - start <= 7 * rl.PROBE_SECONDS
+
+
+def deliveries_to_pass(learner: RateLearner, rate: float) -> int:
+    now, count = 0.0, 0
+    while learner.rate < rate:
+        learner.sent(now)
+        learner.delivered(now, 0.0)
+        now += 1.0 / learner.rate
+        count += 1
+    return count
+
+
+def test_past_a_measured_limit_the_probe_waits_longer_than_past_a_guess():
+    # A limit measured outside slow start is known: each step past it waits PAST_EVERY
+    # deliveries (a refused probe costs a reply per several hundred messages). Past a
+    # slow start's halved guess nothing is known: the steps come fast and grow larger.
+    measured = RateLearner(0.0)
+    measured.good = measured.rate = 5.0
+    measured._confirmed = True
+    guessed = RateLearner(0.0)
+    guessed.good = guessed.rate = 5.0
+    assert deliveries_to_pass(measured, 5.5) >= 3 * rl.PAST_EVERY
+    assert deliveries_to_pass(guessed, 5.5) <= 5 * rl.PROBE_EVERY
+    guessed = RateLearner(0.0)
+    guessed.good = guessed.rate = 100.0
+    measured = RateLearner(0.0)
+    measured.good = measured.rate = 100.0
+    measured._confirmed = True
+    assert deliveries_to_pass(guessed, 300.0) < deliveries_to_pass(measured, 300.0) / 2
 
 
 def test_the_cool_down_is_some_messages_long_within_bounds():

@@ -16,7 +16,6 @@ from mtaqueue.config import DestinationRule, Pacing, ShapingConfig, ThrottleRule
 from mtaqueue.policy import pace_cap, rate_learner
 from mtaqueue.policy.classify import classify
 from mtaqueue.policy.pacing_rules import NAMED_HOP_RATE, pacing_for, stated_rate
-from mtaqueue.policy.rate_learner import BETA
 from mtaqueue.policy.replies import Reply
 from mtaqueue.policy.shaper import DestinationShaper
 
@@ -189,9 +188,13 @@ def test_a_throttle_reply_pauses_and_cuts_the_learned_rate_not_backoff_mode():
     report(shaper, 0.0, THROTTLED)
     snap = shaper.snapshot(0.0)
     assert (snap["mode"], snap["learned"]["phase"]) == ("normal", "paused")
-    assert snap["messages_per_minute"] == pytest.approx(BETA * BETA * 120)  # nothing measured
+    assert snap["messages_per_minute"] == pytest.approx(120 / 2)  # slow start left: halved
     assert snap["learned"]["rate_reply"] == THROTTLED.line()
     assert shaper.send_wait(0.0) == pytest.approx(5.0)  # the cool-down, for every connection
+    # Then one message at a time at the new rate: no burst of what the pause earned.
+    assert shaper.send_wait(5.0) == 0.0
+    shaper.sent(5.0)
+    assert shaper.send_wait(5.0) == pytest.approx(1.0)  # 60/min
     assert shaper.connect_wait(0.0, 0, 0, first_class=True) == pytest.approx(5.0)
     assert shaper.retry_factor(0.0) == 1.0  # retries are not stretched
 

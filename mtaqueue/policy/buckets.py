@@ -35,7 +35,7 @@ class TokenBucket:
         if self.rate == 0:
             return 0.0
         self._refill(now)
-        seconds = (1.0 - self._tokens) / self.rate
+        seconds = max(0.0, self._at - now) + (1.0 - self._tokens) / self.rate  # (resume_at)
         return seconds if seconds > _SLACK else 0.0
 
     def take(self, now: float) -> None:
@@ -58,6 +58,14 @@ class TokenBucket:
             return
         self._refill(now)
         self._tokens = min(float(self.burst), self._tokens + 1.0)
+
+    def resume_at(self, at: float) -> None:
+        """No token before `at`, and at most one then: after a pause, events go at the
+        rate, not as a burst of what the pause earned."""
+        if self.rate == 0 or at <= self._at:
+            return
+        self._refill(at)  # what it holds by then, of which one token at most
+        self._tokens = min(1.0, self._tokens)
 
     def set_rate(self, rate: float, now: float) -> None:
         """Change the rate from `now` on; what was earned at the old rate is kept."""

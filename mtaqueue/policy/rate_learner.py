@@ -12,11 +12,13 @@ kept for people:
   rising latency...) pauses all sending to the destination for a cool-down (PAUSE_MESSAGES
   at the rate it was sent at, between COOLDOWN_MIN and COOLDOWN seconds: a site taking
   hundreds a second refills its limiter in a second, and a longer pause costs a short
-  backlog's drain most), and the rate
-  becomes BETA times the acceptance measured over the WINDOW just before it (never more
-  than BETA times the rate it was sent at). That acceptance is the last known good rate;
-  in slow start at least half the rate (the last round's, which went through), since a
-  measurement over a steep ramp undercounts.
+  backlog's drain most), and the rate becomes BETA times the last known good rate: the
+  acceptance measured over the WINDOW just before the signal, never more than the rate
+  before the last step up (a run just past the limit measures at the rate it was sent
+  at, and a recovery to NEAR of that would meet the limit again). The first signal ends
+  slow start: its run began on the site's burst allowance, which the measurement counts
+  as rate, so the good rate and the new one are half of what was measured (as TCP halves
+  at its first loss), a guess that probing corrects.
   Signals during the cool-down are replies of the same episode (already in flight): one
   signal. A signal before REPEAT deliveries went through after a cool-down (the site is
   still unhappy) doubles the next one, up to COOLDOWN_MAX. When it refused outright (not
@@ -26,12 +28,14 @@ kept for people:
   is its rate.
 - Then it recovers by RECOVER times a round up to NEAR the good rate, closes in on it by a
   quarter of the distance (at least PROBE_STEP of it) every PROBE_EVERY deliveries and
-  PROBE_SECONDS (PROBE_SLOW at most), and probes above it by PROBE_STEP: slowly, so that
-  one episode costs a few replies per several hundred messages. Past the good rate each
-  step doubles (up to STRIDE_MAX times PROBE_STEP), as TCP CUBIC leaves the last known
-  limit: a limit that was lifted, or measured low, is found again soon. An episode that
-  finds the same limit again (within SAME) makes the next probe twice as patient (up to
-  PATIENCE_MAX), in deliveries and in seconds (PROBE_SECONDS): the plateau is known.
+  PROBE_SECONDS (PROBE_SLOW at most), and probes above it by PROBE_STEP. Past the good
+  rate each step doubles (up to STRIDE_MAX times PROBE_STEP), as TCP CUBIC leaves the
+  last known limit: a limit that was lifted is found again. Past a measured limit each
+  step waits PAST_EVERY deliveries (PAST_SLOW seconds at most), so that a probe that
+  meets the limit costs one reply per several hundred messages; past slow start's guess
+  nothing was measured, and the steps double up to GUESS_STRIDE. An episode that finds
+  the same limit again (within SAME) makes the next probe twice as patient (up to
+  PATIENCE_MAX), in deliveries and in seconds: the plateau is known.
 - "Too many connections" caps the concurrency at the connections that worked (the shaper
   says how many) and pauses for the first signal's cool-down, without a cut and without
   making the next rate signal a repeat: it says nothing of the rate.
@@ -62,7 +66,10 @@ PROBE_STEP = 0.01  # of the good rate, per step above NEAR x good
 PROBE_EVERY = 30  # deliveries per probe step, and
 PROBE_SECONDS = 2.0  # seconds per probe step (both times the patience); but a slow
 PROBE_SLOW = 10.0  # destination steps after this long, however few it delivered
+PAST_EVERY = 150  # past a measured good rate: deliveries per step, and
+PAST_SLOW = 60.0  # seconds at most (both times the patience)
 STRIDE_MAX = 16  # past the good rate, steps double up to this many PROBE_STEPs
+GUESS_STRIDE = 64  # (past a slow start's halved guess: nothing was measured there)
 SAME = 0.15  # a limit found again within this share is the same plateau
 PATIENCE_MAX = 8  # at most this many times PROBE_EVERY
 COOLDOWN = 5.0  # at most, for the first signal of a series
@@ -160,6 +167,8 @@ class RateLearner:
         self._cooldown = COOLDOWN
         self._resumed = REPEAT  # deliveries since the last cool-down, up to REPEAT
         self._patience = 1  # times PROBE_EVERY
+        self._confirmed = self.good > 0  # `good` was measured outside slow start (or kept)
+        self._held = self.rate  # the rate before the last step up
         self._stride = 1  # times PROBE_STEP
         self._round_at = now
         self._round_sent = 0
@@ -264,12 +273,22 @@ class RateLearner:
         self._deliveries.clear()
 
     def _cut(self, reply: str, measured: float) -> None:
-        good = min(self.rate, measured) if measured else self.rate * BETA
         if not self.good:
-            good = max(good, self.rate / 2)
-        if self.good and abs(good - self.good) <= SAME * self.good:
+            # Leaving slow start: its run began on the site's burst allowance, which the
+            # measurement counts as rate. Half of it is the rate and the good one, as TCP
+            # halves at its first loss; probing finds the rest.
+            self.good = (min(self.rate, measured) if measured else self.rate) / 2
+            self._set_rate(max(MIN_RATE, self.good), 0.0, reply)
+            self._stride = 1
+            return
+        # The step that met the signal went past the limit: the rate before it is the
+        # last known good one (a run just over the limit measures at the rate sent, and a
+        # recovery to NEAR of that would meet it again).
+        good = min(self.rate, self._held, measured) if measured else self.rate * BETA
+        if abs(good - self.good) <= SAME * self.good:
             self._patience = min(self._patience * 2, PATIENCE_MAX)
         self.good = good
+        self._confirmed = True
         self._set_rate(max(MIN_RATE, BETA * good), 0.0, reply)
         self._stride = 1
 
@@ -281,10 +300,10 @@ class RateLearner:
         self.concurrency, self.concurrency_reply = working, reply
 
     def accepted(self, now: float) -> float:
-        """Deliveries a second over the WINDOW (or since sending resumed, if later)."""
-        span = min(WINDOW, now - self._since)
-        recent = sum(1 for t in self._deliveries if t >= now - WINDOW)
-        return recent / max(span, 1.0) if recent else 0.0
+        """Deliveries a second over the WINDOW, from the first of them in it: time with
+        nothing on the wire (before a flush, say) measures nothing of the site."""
+        recent = [t for t in self._deliveries if t >= now - WINDOW]
+        return len(recent) / max(now - recent[0], 1.0) if recent else 0.0
 
     def changes(self) -> list[Change]:
         """The changes since the last call (for the log)."""
@@ -308,11 +327,14 @@ class RateLearner:
         elapsed = now - self._probe_at
         if elapsed < PROBE_SECONDS * self._patience:
             return
-        if self._probe_count < PROBE_EVERY * self._patience and elapsed < PROBE_SLOW:
+        past = self._confirmed and self.rate >= self.good
+        every = (PAST_EVERY if past else PROBE_EVERY) * self._patience
+        slow = PAST_SLOW * self._patience if past else PROBE_SLOW
+        if self._probe_count < every and elapsed < slow:
             return
         self._probe_count, self._probe_at = 0, now
         if self.rate >= self.good:
-            self._stride = min(self._stride * 2, STRIDE_MAX)
+            self._stride = min(self._stride * 2, STRIDE_MAX if self._confirmed else GUESS_STRIDE)
             step = PROBE_STEP * self.good * self._stride
         else:  # a quarter of the way to the known limit: small steps as it comes near
             step = max(PROBE_STEP * self.good, (self.good - self.rate) / 4)
@@ -321,6 +343,7 @@ class RateLearner:
     def _set_rate(self, rate: float, ceiling: float, reply: str) -> None:
         old = self.rate
         self.rate = min(rate, ceiling) if ceiling else rate
+        self._held = old if self.rate > old else self.rate
         self.rate_reply = reply
         # A cut is always news; growth is, once it adds up to a quarter (not every step).
         if self.rate < old or self.rate >= self._logged_rate * 1.25:

@@ -34,7 +34,9 @@ Feedback rules (`result`):
   such as Gmail's per-mailbox 4.2.1, is that mailbox's business), or a throttle rule's
   threshold reached: a throttle signal for the learned rate (a cool-down and a cut; "too
   many connections" caps the concurrency instead of cutting the rate), and a concurrency
-  cut once per episode. Only a rule's hit puts the
+  cut once per episode. After the cool-down, messages resume one at a time at the new
+  rate: the bucket keeps nothing of the pause (a burst then is what the site refuses,
+  and what opens connections past its cap). Only a rule's hit puts the
   destination in backoff mode (longer retries); a throttling reply is pacing, never a
   breaker failure, except from the half-open probe.
 - Connection failure: a transient failure before MAIL FROM that is not throttling
@@ -308,6 +310,7 @@ class DestinationShaper:
         the limit it taught, its connection cap, and the knee and rate ceiling its reply
         latency taught. Operator limits and backoff stay."""
         self.learner = RateLearner(now, start=self._start)
+        self._messages = TokenBucket(self.pacing.messages_per_minute / 60, self.pacing.burst, now)
         self.concurrency.knee = 0
         self.pace.reset()
         self._apply(now)
@@ -418,6 +421,10 @@ class DestinationShaper:
             self.learner.too_many_connections(active - 1, line)
         if self.learner.throttled(now, line, rate=not too_many):  # once an episode
             self.concurrency.throttled()
+            # The site refilled its own allowance meanwhile, not for a burst at a rate it
+            # just refused: sending resumes one message at a time (a burst also opened
+            # connections past a cap nobody had learned yet).
+            self._messages.resume_at(self.learner.paused_until)
         if self.breaker.state(now) == HALF_OPEN:
             self.breaker.failure(now)
 
