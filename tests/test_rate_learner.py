@@ -167,6 +167,22 @@ def test_past_a_measured_limit_the_probe_waits_longer_than_past_a_guess():
     assert deliveries_to_pass(guessed, 300.0) < deliveries_to_pass(measured, 300.0) / 2
 
 
+def test_closing_in_on_a_measured_limit_stops_under_it():
+    # A limit measured at a signal is where the site said no (the run's measurement is
+    # an upper bound): recovery and closing in stop at UNDER of it, and only the slow
+    # probe goes past.
+    learner = RateLearner(0.0)
+    learner.good, learner.rate = 5.0, 4.0
+    learner._confirmed = True
+    now, under = 0.0, 0
+    while learner.rate < 5.0:  # until it first reaches the measured limit
+        under += learner.rate == pytest.approx(rl.UNDER * 5.0)
+        learner.sent(now)
+        learner.delivered(now, 0.0)
+        now += 1.0 / learner.rate
+    assert under >= rl.PAST_EVERY  # it held under it for a slow probe's worth
+
+
 def test_the_cool_down_is_some_messages_long_within_bounds():
     assert rl.cooldown(rl.SLOW_START) == rl.COOLDOWN  # a small site: the longest
     assert rl.cooldown(rl.PAUSE_MESSAGES / 3) == 3.0

@@ -28,14 +28,15 @@ kept for people:
   is its rate.
 - Then it recovers by RECOVER times a round up to NEAR the good rate, closes in on it by a
   quarter of the distance (at least PROBE_STEP of it) every PROBE_EVERY deliveries and
-  PROBE_SECONDS (PROBE_SLOW at most), and probes above it by PROBE_STEP. Past the good
-  rate each step doubles (up to STRIDE_MAX times PROBE_STEP), as TCP CUBIC leaves the
-  last known limit: a limit that was lifted is found again. Past a measured limit each
-  step waits PAST_EVERY deliveries (PAST_SLOW seconds at most), so that a probe that
-  meets the limit costs one reply per several hundred messages; past slow start's guess
-  nothing was measured, and the steps double up to GUESS_STRIDE. An episode that finds
-  the same limit again (within SAME) makes the next probe twice as patient (up to
-  PATIENCE_MAX), in deliveries and in seconds: the plateau is known.
+  PROBE_SECONDS (PROBE_SLOW at most), up to UNDER a measured limit (where the site said
+  no: the run's measurement is an upper bound) or to slow start's guess, and probes above
+  it by PROBE_STEP. Past it each step doubles (up to STRIDE_MAX times PROBE_STEP), as TCP
+  CUBIC leaves the last known limit: a limit that was lifted is found again. Past a
+  measured limit each step waits PAST_EVERY deliveries (PAST_SLOW seconds at most), so
+  that a probe that meets the limit costs one reply per several hundred messages; past
+  slow start's guess nothing was measured, and the steps double up to GUESS_STRIDE. An
+  episode that finds the same limit again (within SAME) makes the next probe twice as
+  patient (up to PATIENCE_MAX), in deliveries and in seconds: the plateau is known.
 - "Too many connections" caps the concurrency at the connections that worked (the shaper
   says how many) and pauses for the first signal's cool-down, without a cut and without
   making the next rate signal a repeat: it says nothing of the rate.
@@ -66,6 +67,7 @@ PROBE_STEP = 0.01  # of the good rate, per step above NEAR x good
 PROBE_EVERY = 30  # deliveries per probe step, and
 PROBE_SECONDS = 2.0  # seconds per probe step (both times the patience); but a slow
 PROBE_SLOW = 10.0  # destination steps after this long, however few it delivered
+UNDER = 0.97  # of a measured limit: the highest rate closing in reaches
 PAST_EVERY = 150  # past a measured good rate: deliveries per step, and
 PAST_SLOW = 60.0  # seconds at most (both times the patience)
 STRIDE_MAX = 16  # past the good rate, steps double up to this many PROBE_STEPs
@@ -327,17 +329,19 @@ class RateLearner:
         elapsed = now - self._probe_at
         if elapsed < PROBE_SECONDS * self._patience:
             return
-        past = self._confirmed and self.rate >= self.good
+        # A measured limit is where the site said no: closing in stops UNDER it.
+        near = self.good * (UNDER if self._confirmed else 1.0)
+        past = self._confirmed and self.rate >= near
         every = (PAST_EVERY if past else PROBE_EVERY) * self._patience
         slow = PAST_SLOW * self._patience if past else PROBE_SLOW
         if self._probe_count < every and elapsed < slow:
             return
         self._probe_count, self._probe_at = 0, now
-        if self.rate >= self.good:
+        if self.rate >= near:
             self._stride = min(self._stride * 2, STRIDE_MAX if self._confirmed else GUESS_STRIDE)
             step = PROBE_STEP * self.good * self._stride
         else:  # a quarter of the way to the known limit: small steps as it comes near
-            step = max(PROBE_STEP * self.good, (self.good - self.rate) / 4)
+            step = min(max(PROBE_STEP * self.good, (near - self.rate) / 4), near - self.rate)
         self._set_rate(self.rate + step, ceiling, self.rate_reply)
 
     def _set_rate(self, rate: float, ceiling: float, reply: str) -> None:
