@@ -28,12 +28,12 @@ kept for people:
   is its rate.
 - Then it recovers by RECOVER times a round up to NEAR the good rate, closes in on it by a
   quarter of the distance (at least PROBE_STEP of it) every PROBE_EVERY deliveries and
-  PROBE_SECONDS (PROBE_SLOW at most), up to UNDER a measured limit (where the site said
-  no: the run's measurement is an upper bound) or to slow start's guess, and probes above
-  it by PROBE_STEP. Past it each step doubles (up to STRIDE_MAX times PROBE_STEP), as TCP
-  CUBIC leaves the last known limit: a limit that was lifted is found again. Past a
-  measured limit each step waits PAST_EVERY deliveries (PAST_SLOW seconds at most), so
-  that a probe that meets the limit costs one reply per several hundred messages; past
+  PROBE_SECONDS (PROBE_SLOW at most), up to slow start's guess or UNDER a measured limit
+  (where the site said no: the run's measurement is an upper bound), and probes above it
+  by PROBE_STEP. Past it each step doubles (up to STRIDE_MAX times PROBE_STEP), as TCP
+  CUBIC leaves the last known limit: a limit that was lifted is found again. From NEAR a
+  measured limit on, each step waits PAST_EVERY deliveries (PAST_SLOW seconds at most),
+  so that a step that meets the limit costs one reply per several hundred messages; past
   slow start's guess nothing was measured, and the steps double up to GUESS_STRIDE. An
   episode that finds the same limit again (within SAME) makes the next probe twice as
   patient (up to PATIENCE_MAX), in deliveries and in seconds: the plateau is known.
@@ -68,7 +68,7 @@ PROBE_EVERY = 30  # deliveries per probe step, and
 PROBE_SECONDS = 2.0  # seconds per probe step (both times the patience); but a slow
 PROBE_SLOW = 10.0  # destination steps after this long, however few it delivered
 UNDER = 0.97  # of a measured limit: the highest rate closing in reaches
-PAST_EVERY = 150  # past a measured good rate: deliveries per step, and
+PAST_EVERY = 150  # from NEAR a measured good rate on: deliveries per step, and
 PAST_SLOW = 60.0  # seconds at most (both times the patience)
 STRIDE_MAX = 16  # past the good rate, steps double up to this many PROBE_STEPs
 GUESS_STRIDE = 64  # (past a slow start's halved guess: nothing was measured there)
@@ -329,11 +329,12 @@ class RateLearner:
         elapsed = now - self._probe_at
         if elapsed < PROBE_SECONDS * self._patience:
             return
-        # A measured limit is where the site said no: closing in stops UNDER it.
+        # A measured limit is where the site said no: closing in stops UNDER it, and near
+        # it every step is a slow one (its measurement may be a little high).
         near = self.good * (UNDER if self._confirmed else 1.0)
-        past = self._confirmed and self.rate >= near
-        every = (PAST_EVERY if past else PROBE_EVERY) * self._patience
-        slow = PAST_SLOW * self._patience if past else PROBE_SLOW
+        slow_steps = self._confirmed and self.rate >= NEAR * self.good
+        every = (PAST_EVERY if slow_steps else PROBE_EVERY) * self._patience
+        slow = PAST_SLOW * self._patience if slow_steps else PROBE_SLOW
         if self._probe_count < every and elapsed < slow:
             return
         self._probe_count, self._probe_at = 0, now
