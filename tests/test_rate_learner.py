@@ -92,17 +92,19 @@ def test_idle_time_before_a_run_is_not_measured():
 
 
 def test_a_step_past_the_limit_is_not_the_good_rate():
-    # Probing met the limit just past the last step: the run measures at the rate sent;
-    # the good rate is the one before the step, so recovery stays under the limit.
+    # A step from 10 to 12 a second met the limit: the run measures at the rate sent (the
+    # site's allowance lasted a while), and the limit lies between the rate before the
+    # step and this one: the good rate is their middle, so recovery stays under the limit.
     learner = RateLearner(0.0)
-    learner.good, learner.rate = 10.0, 10.0
+    learner.good = learner.rate = 10.0
     learner._confirmed = True
-    now = send_for(learner, 0.0, 200.0)
-    stepped_from = learner._held
-    assert learner.rate > stepped_from >= 10.0
-    learner.throttled(now, "421 4.7.28 rate limited")
-    assert learner.good == pytest.approx(stepped_from)
-    assert rl.NEAR * learner.good < stepped_from
+    learner._set_rate(12.0, 0.0, "")
+    for i in range(60):  # 12 a second, all taken
+        learner.sent(i / 12)
+        learner.delivered(i / 12, 0.0)
+    assert learner.accepted(5.0) >= 12.0
+    learner.throttled(5.0, "421 4.7.28 rate limited")
+    assert learner.good == pytest.approx((10.0 * 12.0) ** 0.5)
 
 
 def test_replies_of_one_episode_are_one_signal():

@@ -13,9 +13,10 @@ kept for people:
   at the rate it was sent at, between COOLDOWN_MIN and COOLDOWN seconds: a site taking
   hundreds a second refills its limiter in a second, and a longer pause costs a short
   backlog's drain most), and the rate becomes BETA times the last known good rate: the
-  acceptance measured over the WINDOW just before the signal, never more than the rate
-  before the last step up (a run just past the limit measures at the rate it was sent
-  at, and a recovery to NEAR of that would meet the limit again). The first signal ends
+  acceptance measured over the WINDOW just before the signal, never more than the middle
+  (geometric) of the rate sent and the one before the last step up, between which the
+  limit lies (a run just past the limit measures at the rate it was sent at, and a
+  recovery to NEAR of that would meet the limit again). The first signal ends
   slow start: its run began on the site's burst allowance, which the measurement counts
   as rate, so the good rate and the new one are half of what was measured (as TCP halves
   at its first loss), a guess that probing corrects.
@@ -51,6 +52,7 @@ seconds, rates messages per second.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import msgspec
@@ -283,10 +285,12 @@ class RateLearner:
             self._set_rate(max(MIN_RATE, self.good), 0.0, reply)
             self._stride = 1
             return
-        # The step that met the signal went past the limit: the rate before it is the
-        # last known good one (a run just over the limit measures at the rate sent, and a
-        # recovery to NEAR of that would meet it again).
-        good = min(self.rate, self._held, measured) if measured else self.rate * BETA
+        # The step that met the signal went past the limit, which lies between the rate
+        # before it and this one: their middle is the good rate, unless less was measured
+        # (a run just over the limit measures at the rate sent, and a recovery to NEAR of
+        # that would meet it again; a big step's rate before is far under the limit).
+        between = math.sqrt(self._held * self.rate)
+        good = min(between, measured) if measured else self.rate * BETA
         if abs(good - self.good) <= SAME * self.good:
             self._patience = min(self._patience * 2, PATIENCE_MAX)
         self.good = good
