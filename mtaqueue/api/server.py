@@ -269,7 +269,7 @@ class Api:
         _operator(request)
         address = suppression_address(request.match_info["address"])
         body = await _read(request, JSON_OVERHEAD)
-        fields = _json_object(body) if body.strip() else {}
+        fields = _json_object(body) if body else {}  # no body: no fields; blanks are no JSON
         reason, ttl = suppression_fields(fields, self.deps.suppression_ttl())
         return web.json_response(await suppression.add(self.deps.spool, address, ttl, reason))
 
