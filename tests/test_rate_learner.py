@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -224,6 +226,32 @@ def test_a_site_that_refuses_outright_after_the_pause_is_measured_over_the_serie
     learner.throttled(resumed, "450 4.7.1 Error: too much mail from 192.0.2.1")
     assert learner.good == pytest.approx(delivered / resumed, rel=0.05)
     assert learner.rate < after_first * rl.BETA  # deeper than one more cut of the same
+
+
+def test_what_a_series_took_is_probed_past_at_the_ordinary_pace():
+    # Refused time included, what an overrun anvil took is under its limit, not where it
+    # said no: held at the slow pace of a measured limit it cost a flushed drain 1.4x.
+    learner = RateLearner(0.0)
+    learner.good, learner.rate = 4.0, 6.0  # past slow start, at anvil's 60 per 10 s
+    now = send_for(learner, 0.0, 3.0)
+    learner.throttled(now, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    resumed = now + learner.wait(now)
+    learner.sent(resumed)
+    learner.throttled(resumed, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    start = resumed + learner.wait(resumed)
+    held = copy.deepcopy(learner)
+    held._confirmed = True  # as if the site had said no there
+
+    def seconds_to_pass(one: RateLearner, rate: float) -> float:
+        now = start
+        while one.rate < rate:
+            one.sent(now)
+            one.delivered(now, 0.0)
+            now += 1.0 / one.rate
+        return now - start
+
+    target = 1.3 * learner.good
+    assert seconds_to_pass(learner, target) < seconds_to_pass(held, target) / 2
 
 
 def test_too_many_connections_is_remembered_with_its_reply():

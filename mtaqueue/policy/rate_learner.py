@@ -26,7 +26,8 @@ kept for people:
   one delivery since the resume), the acceptance is measured over the whole series since
   its first run began, refused time included: a fixed-window limiter (Postfix's anvil)
   that was overrun refuses for the rest of its window, and what it took over that span
-  is its rate.
+  is its rate; refused time included, that is under the limit, and is probed past at
+  the ordinary pace.
 - Then it recovers by RECOVER times a round up to NEAR the good rate, closes in on it by a
   quarter of the distance (at least PROBE_STEP of it) every PROBE_EVERY deliveries and
   PROBE_SECONDS (PROBE_SLOW at most), up to slow start's guess or UNDER a measured limit
@@ -171,7 +172,7 @@ class RateLearner:
         self._cooldown = COOLDOWN
         self._resumed = REPEAT  # deliveries since the last cool-down, up to REPEAT
         self._patience = 1  # times PROBE_EVERY
-        self._confirmed = self.good > 0  # `good` was measured outside slow start (or kept)
+        self._confirmed = self.good > 0  # `good` is where the site said no (or was kept)
         self._held = self.rate  # the rate before the last step up
         self._stride = 1  # times PROBE_STEP
         self._round_at = now
@@ -254,7 +255,8 @@ class RateLearner:
         if not repeat:  # a new series of episodes begins with the run that ended here
             self._series_at, self._series_delivered = self._since, 0
         self._series_delivered += self._run_delivered
-        if repeat and not self._resumed:
+        outright = repeat and not self._resumed
+        if outright:
             # Refused outright since the resume: it took less than we measured. What it
             # took is measured over the whole series, its refused time included.
             measured = self._series_delivered / max(now - self._series_at, 1.0)
@@ -266,7 +268,9 @@ class RateLearner:
             self._cooldown = cooldown(self.rate)
         self.paused_until = now + self._cooldown
         self._resumed = 0
-        self._cut(reply, measured)
+        # Over a series the refused time counts: what it took is under the limit, not
+        # where the site said no, and is probed past at the ordinary pace.
+        self._cut(reply, measured, upper=not outright)
         self._restart_measurement()
         return True
 
@@ -276,7 +280,7 @@ class RateLearner:
         self._round_sent = self._probe_count = self._run_delivered = 0
         self._deliveries.clear()
 
-    def _cut(self, reply: str, measured: float) -> None:
+    def _cut(self, reply: str, measured: float, *, upper: bool) -> None:
         if not self.good:
             # Leaving slow start: its run began on the site's burst allowance, which the
             # measurement counts as rate. Half of it is the rate and the good one, as TCP
@@ -294,7 +298,7 @@ class RateLearner:
         if abs(good - self.good) <= SAME * self.good:
             self._patience = min(self._patience * 2, PATIENCE_MAX)
         self.good = good
-        self._confirmed = True
+        self._confirmed = upper
         self._set_rate(max(MIN_RATE, BETA * good), 0.0, reply)
         self._stride = 1
 
