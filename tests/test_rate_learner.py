@@ -83,6 +83,18 @@ def test_leaving_slow_start_halves_what_was_measured():
     assert fresh.good == pytest.approx(min(rl.SLOW_START, 1.0) / 2)
 
 
+def test_a_lesson_forgotten_in_decay_leaves_slow_start_with_a_guess_again():
+    # A limit measured long ago decays to nothing: the next slow start's halved guess is
+    # probed past quickly, not held under as if the site had said no there.
+    learner = RateLearner(0.0, Learned(5.0, 5.0, at=0.0))
+    learner.sent(rl.QUIET + 3 * rl.HALF_LIFE)  # quiet so long that the good rate is gone
+    assert learner.good == 0
+    now = send_for(learner, rl.QUIET + 3 * rl.HALF_LIFE, 1.0)
+    learner.throttled(now, "421 4.7.28 rate limited")
+    guess = learner.good
+    assert run_to(learner, 1.3 * guess, now + learner.wait(now))[0] < rl.PAST_EVERY
+
+
 def test_idle_time_before_a_run_is_not_measured():
     # Flushed after an outage: the run began long after the learner did, and what the
     # site took is measured over the run, not over the quiet window before it.
@@ -142,14 +154,15 @@ def test_recovery_is_fast_then_the_probe_is_slow():
     assert now - start <= 7 * rl.PROBE_SECONDS
 
 
-def deliveries_to_pass(learner: RateLearner, rate: float) -> int:
-    now, count = 0.0, 0
+def run_to(learner: RateLearner, rate: float, start: float = 0.0) -> tuple[int, float]:
+    """Send at the learned rate, all taken, until it reaches `rate`: (deliveries, seconds)."""
+    now, count = start, 0
     while learner.rate < rate:
         learner.sent(now)
         learner.delivered(now, 0.0)
         now += 1.0 / learner.rate
         count += 1
-    return count
+    return count, now - start
 
 
 def test_past_a_measured_limit_the_probe_waits_longer_than_past_a_guess():
@@ -161,14 +174,14 @@ def test_past_a_measured_limit_the_probe_waits_longer_than_past_a_guess():
     measured._confirmed = True
     guessed = RateLearner(0.0)
     guessed.good = guessed.rate = 5.0
-    assert deliveries_to_pass(measured, 5.5) >= 3 * rl.PAST_EVERY
-    assert deliveries_to_pass(guessed, 5.5) <= 5 * rl.PROBE_EVERY
+    assert run_to(measured, 5.5)[0] >= 3 * rl.PAST_EVERY
+    assert run_to(guessed, 5.5)[0] <= 5 * rl.PROBE_EVERY
     guessed = RateLearner(0.0)
     guessed.good = guessed.rate = 100.0
     measured = RateLearner(0.0)
     measured.good = measured.rate = 100.0
     measured._confirmed = True
-    assert deliveries_to_pass(guessed, 300.0) < deliveries_to_pass(measured, 300.0) / 2
+    assert run_to(guessed, 300.0)[0] < run_to(measured, 300.0)[0] / 2
 
 
 def test_closing_in_on_a_measured_limit_stops_under_it():
@@ -242,16 +255,8 @@ def test_what_a_series_took_is_probed_past_at_the_ordinary_pace():
     held = copy.deepcopy(learner)
     held._confirmed = True  # as if the site had said no there
 
-    def seconds_to_pass(one: RateLearner, rate: float) -> float:
-        now = start
-        while one.rate < rate:
-            one.sent(now)
-            one.delivered(now, 0.0)
-            now += 1.0 / one.rate
-        return now - start
-
     target = 1.3 * learner.good
-    assert seconds_to_pass(learner, target) < seconds_to_pass(held, target) / 2
+    assert run_to(learner, target, start)[1] < run_to(held, target, start)[1] / 2
 
 
 def test_too_many_connections_is_remembered_with_its_reply():

@@ -284,22 +284,22 @@ class RateLearner:
         if not self.good:
             # Leaving slow start: its run began on the site's burst allowance, which the
             # measurement counts as rate. Half of it is the rate and the good one, as TCP
-            # halves at its first loss; probing finds the rest.
-            self.good = (min(self.rate, measured) if measured else self.rate) / 2
-            self._set_rate(max(MIN_RATE, self.good), 0.0, reply)
-            self._stride = 1
-            return
-        # The step that met the signal went past the limit, which lies between the rate
-        # before it and this one: their middle is the good rate, unless less was measured
-        # (a run just over the limit measures at the rate sent, and a recovery to NEAR of
-        # that would meet it again; a big step's rate before is far under the limit).
-        between = math.sqrt(self._held * self.rate)
-        good = min(between, measured) if measured else self.rate * BETA
-        if abs(good - self.good) <= SAME * self.good:
-            self._patience = min(self._patience * 2, PATIENCE_MAX)
-        self.good = good
-        self._confirmed = upper
-        self._set_rate(max(MIN_RATE, BETA * good), 0.0, reply)
+            # halves at its first loss: a guess, not where the site said no.
+            good = (min(self.rate, measured) if measured else self.rate) / 2
+            rate, upper = good, False
+        else:
+            # The step that met the signal went past the limit, which lies between the
+            # rate before it and this one: their middle is the good rate, unless less was
+            # measured (a run just over the limit measures at the rate sent, and a
+            # recovery to NEAR of that would meet it again; a big step's rate before is
+            # far under the limit).
+            between = math.sqrt(self._held * self.rate)
+            good = min(between, measured) if measured else self.rate * BETA
+            if abs(good - self.good) <= SAME * self.good:
+                self._patience = min(self._patience * 2, PATIENCE_MAX)
+            rate = BETA * good
+        self.good, self._confirmed = good, upper
+        self._set_rate(max(MIN_RATE, rate), 0.0, reply)
         self._stride = 1
 
     def too_many_connections(self, working: int, reply: str) -> None:
