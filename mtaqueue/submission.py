@@ -8,6 +8,7 @@ clear 5xx what cannot be queued (unknown class, bad expiry). Signing (DKIM) foll
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -110,7 +111,7 @@ def prepare_header(
     if not has_message_id:
         added.append(f"Message-ID: <{received.queue_id}@{settings.hostname}>".encode())
     if not has_date:
-        added.append(f"Date: {formatdate(received.now, localtime=True)}".encode())
+        added.append(f"Date: {_date(int(received.now))}".encode())
     header = b"\r\n".join(added + kept) + b"\r\n"
 
     message = Message(
@@ -180,9 +181,15 @@ def _received(submit: Submit | Stream, received: Received, hostname: str, rcpt: 
         origin, by = f"{helo} ([{received.client}])", "(mtaqueue)"
     text = (
         f"Received: from {origin}\r\n\tby {hostname} {by} with {proto}"
-        f" id {received.queue_id}{target}; {formatdate(received.now, localtime=True)}"
+        f" id {received.queue_id}{target}; {_date(int(received.now))}"
     )
     return text.encode()  # every part is valid UTF-8: the session refuses anything else
+
+
+@functools.lru_cache(maxsize=2)
+def _date(second: int) -> str:
+    """RFC 5322 date of a second, local time: made once a second, not once a message."""
+    return formatdate(second, localtime=True)
 
 
 def _unique(recipients):

@@ -80,9 +80,9 @@ def test_a_bulk_change_goes_to_the_writer_in_bounded_batches(tmp_path, monkeypat
         await asyncio.gather(*(spool.accept(r, b"x\r\n") for r in records))
         sizes, send = [], spool._writer._send
 
-        def recorded() -> None:
+        def recorded(hold: bool = True) -> None:
             before = spool._writer._inflight
-            send()
+            send(hold)
             if spool._writer._inflight is not None and spool._writer._inflight is not before:
                 sizes.append(len(spool._writer._inflight))  # a batch went
 

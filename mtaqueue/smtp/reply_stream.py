@@ -105,12 +105,15 @@ class ReplyStream(asyncio.Protocol):
     async def reply(self, timeout: float) -> tuple[int, str]:
         """The next reply; the replies that came before an end are read first."""
         if not self._replies and self._ended is None:
-            self._waiter = asyncio.get_running_loop().create_future()
+            # A timer of our own, not asyncio.wait_for (a task's worth of futures and
+            # callbacks per reply, four replies a message).
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, _expire, waiter)
             try:
-                await asyncio.wait_for(self._waiter, timeout)
-            except TimeoutError:
-                raise StreamError("timeout", "no reply in time") from None
+                await waiter
             finally:
+                timer.cancel()
                 self._waiter = None
         if self._replies:
             code, text, self.arrived = self._replies.popleft()
@@ -162,3 +165,8 @@ class ReplyStream(asyncio.Protocol):
         ready = self._replies or self._ended is not None
         if self._waiter is not None and not self._waiter.done() and ready:
             self._waiter.set_result(None)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(StreamError("timeout", "no reply in time"))

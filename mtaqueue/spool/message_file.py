@@ -25,6 +25,7 @@ journal, not the header, holds its current state.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import struct
 import threading
@@ -146,8 +147,12 @@ def read_content(path: Path) -> bytes:
 
 def _read(path: Path) -> tuple[bytes, bytes]:
     """The header and the message (head and content), checked against the prelude."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    # The file whole in one read (a buffered file would also ask the kernel whether it
+    # is a terminal, and where it stands): the delivery path reads one per message.
+    with open(path, "rb", buffering=0) as raw:
+        data = raw.read(os.fstat(raw.fileno()).st_size)
+    size = len(data)
+    with io.BytesIO(data) as f:
         magic = f.read(4)
         if magic == MAGIC_V1:
             return _read_v1(path, f, size)

@@ -10,6 +10,9 @@
 Changes are queued here and sent as one batch whenever the writer is idle (at most
 MAX_BATCH of them); when the writer answers, the batch's outcomes go to the spool
 (`SpoolSide.batch_answered`), which resolves each change's future, and the next batch goes.
+A batch of changes no client waits on (a delivery's result: no new message among them)
+waits up to LAZY_HOLD for company: each round costs the writer a journal fdatasync, and
+the next accept's round takes them along.
 
 If the writer dies, it is started again (with a backoff if it keeps dying) and nothing
 waiting is lost: of the batch it had in flight, the accepts are asked of the new writer
@@ -28,7 +31,7 @@ import msgspec
 from ..child_process import ChildLink, abandon, start_child
 from ..framing import frame
 from ..logs import get_logger
-from .batch import ERROR, Accept, Adopt, Batch, BatchResult, Op
+from .batch import ERROR, Accept, Adopt, Batch, BatchResult, Op, Place
 from .errors import StorageError
 
 log = get_logger("spool")
@@ -43,6 +46,9 @@ WRITER_BACKOFF_MAX = 30.0
 # million queued) is encoded, committed and answered in steps this size, none of which
 # holds the event loop long.
 MAX_BATCH = 5000
+# How long a batch of changes no client waits on is held while the writer is idle (the
+# window in which a crash could forget a delivery, and send it again, grows by as much).
+LAZY_HOLD = 0.005
 
 Change = tuple[Op, asyncio.Future]  # a change and the future its caller waits on
 Answer = tuple[Op, asyncio.Future, str]  # ... and the writer's outcome (writer.OK, or why not)
@@ -68,6 +74,8 @@ class WriterLink:
         self._args = args  # the writer's command line, but for its end of the socketpair
         self._queue: list[Change] = []
         self._inflight: list[Change] | None = None
+        self._urgent = False  # a queued change is a new message: its client waits
+        self._hold: asyncio.TimerHandle | None = None  # sends the lazy changes held
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(BatchResult)
         self._pipe: _Pipe | None = None  # set while a writer is up and ready
@@ -160,7 +168,7 @@ class WriterLink:
         again = [(Adopt(op.message) if isinstance(op, Accept) else op, f) for op, f in inflight]
         self._queue = again + self._queue
         log.warning("spool_writer_restarted", resent=len(again))
-        self._send()
+        self._send(hold=False)
 
     def _longer_backoff(self) -> float:
         return min(max(2 * self._backoff, WRITER_BACKOFF_FIRST), WRITER_BACKOFF_MAX)
@@ -172,6 +180,8 @@ class WriterLink:
         while (self._queue or self._inflight is not None) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self._closed = True
+        if self._hold is not None:
+            self._hold.cancel()
         if self._restarting is not None:
             self._restarting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -202,17 +212,27 @@ class WriterLink:
         if not self._queue and self._inflight is None:
             self._progress = time.monotonic()  # work waits from now on
         self._queue.append((op, future))
+        self._urgent = self._urgent or isinstance(op, Accept | Place | Adopt)
         self._send()
         return future
 
-    def _send(self) -> None:
-        """Send what is queued as one batch, unless one is in flight or no writer is up."""
+    def _send(self, hold: bool = True) -> None:
+        """Send what is queued as one batch, unless one is in flight or no writer is up;
+        lazy changes alone (`hold`) go at the end of their hold."""
         if self._inflight is not None or not self._queue or self._pipe is None:
             return
         transport = self._pipe.transport
         if transport is None:
             return
+        if hold and not self._urgent and len(self._queue) < MAX_BATCH:
+            if self._hold is None:
+                self._hold = asyncio.get_running_loop().call_later(LAZY_HOLD, self._held)
+            return
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
         batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+        self._urgent = self._urgent and bool(self._queue)  # (a rest of a bulk change)
         keys = self._pipe.keys_for([op for op, _ in batch], self._spool.signing_keys)
         events = self._spool.events
         try:
@@ -224,6 +244,10 @@ class WriterLink:
             payload = self._encoder.encode(Batch([op for op, _ in batch], events, keys))
         self._inflight = batch
         transport.write(frame(payload))
+
+    def _held(self) -> None:
+        self._hold = None
+        self._send(hold=False)
 
     async def committed(self) -> None:
         """Until every change asked for so far is answered by the writer (durable, or
