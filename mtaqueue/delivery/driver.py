@@ -68,6 +68,7 @@ class Driver:
         self.rng = rng  # a circuit's release spread
         self.closing = False
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # the Wake it was armed for
         self._drain: asyncio.Future | None = None
 
     def perform(self, actions: list[Step]) -> None:
@@ -76,8 +77,11 @@ class Driver:
         actions = list(actions)
         for action in actions:
             if isinstance(action, Wake):
+                if self._timer is not None and action.at == self._timer_at:
+                    continue  # armed for it already (most events leave the next wake as it was)
                 if self._timer is not None:
                     self._timer.cancel()
+                self._timer_at = action.at
                 if not self.closing:
                     delay = max(0.0, action.at - self.now())
                     self._timer = asyncio.get_running_loop().call_later(delay, self._tick)

@@ -6,6 +6,7 @@ A/AAAA, or an IP address), "host:port" or "host" looks up the MX records of host
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 
 import msgspec
@@ -31,6 +32,7 @@ def next_hop(domain: str, relayhost: str, routes: dict[str, str], default_port: 
     return parse_hop(hop, default_port)
 
 
+@functools.lru_cache(maxsize=1024)  # a few configured hops, parsed once each, not per message
 def parse_hop(text: str, default_port: int) -> NextHop:
     """A configured next hop ("[host]:port", "host:port", "host"), checked by config."""
     host, port = split_host_port(text, default_port)

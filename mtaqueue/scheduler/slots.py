@@ -85,8 +85,12 @@ class Station:
 
     def counts(self, leaving: Slot | None = None) -> tuple[int, int]:
         """(slots, reserved slots), `leaving` counted out."""
-        slots = [s for s in self.slots.values() if s is not leaving]
-        return len(slots), sum(s.first_class for s in slots)
+        count = reserved = 0
+        for slot in self.slots.values():
+            if slot is not leaving:
+                count += 1
+                reserved += slot.first_class
+        return count, reserved
 
 
 class Admission:
