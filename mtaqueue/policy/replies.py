@@ -113,8 +113,7 @@ class Reply(msgspec.Struct, frozen=True):
         m = _ENHANCED.match(lines[0]) if lines else None
         if m and int(m[1]) == code // 100:
             enhanced = m[0]
-            repeated = re.compile(r"\A" + re.escape(enhanced) + r"(?=\s|$)")
-            lines = [repeated.sub("", line, count=1).lstrip() for line in lines]
+            lines = [_unrepeated(line, enhanced) for line in lines]
         return cls(phase, code, enhanced, " / ".join(line for line in lines if line))
 
     def line(self) -> str:
@@ -125,3 +124,11 @@ class Reply(msgspec.Struct, frozen=True):
             text = self.text or f"{_EVENTS[self.network]} {_WHILE[self.phase]}"
             return f"{self.enhanced} {text}" if self.enhanced else text
         return " ".join(part for part in (str(self.code), self.enhanced, self.text) if part)
+
+
+def _unrepeated(line: str, enhanced: str) -> str:
+    """`line` without a leading `enhanced` code standing as a word of its own."""
+    if not line.startswith(enhanced):
+        return line
+    rest = line[len(enhanced) :]
+    return line if rest and not rest[0].isspace() else rest.lstrip()

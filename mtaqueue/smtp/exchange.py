@@ -23,12 +23,9 @@ it reached (after the content went with BDAT: ambiguous, as any doubt after the 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ..policy.replies import COMPLETES, Reply
-
-_DOT_LINE = re.compile(rb"^\.", re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +44,13 @@ class Exchange:
         return [("mail", self.mail), *(("rcpt", rcpt) for rcpt in self.rcpts), last]
 
     def body(self) -> bytes:
-        return _DOT_LINE.sub(b"..", self.content) + b".\r\n"
+        # Every line that starts with a dot gets one more (RFC 5321 4.5.2): a line
+        # starts at the content's start and after each LF, as `^` in a MULTILINE regex,
+        # which scanned every octet (replace finds each LF as memchr does).
+        stuffed = self.content.replace(b"\n.", b"\n..")
+        if stuffed.startswith(b"."):
+            stuffed = b"." + stuffed
+        return stuffed + b".\r\n"
 
 
 @dataclass(frozen=True, slots=True)

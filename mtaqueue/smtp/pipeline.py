@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from dataclasses import dataclass
 
 from ..config import TimeoutsConfig
@@ -350,6 +351,8 @@ def _rcpt_options(rcpt: Recipient, dsn: bool) -> list[str]:
     return options
 
 
+# A server answers with the same few texts over and over (a Reply is frozen): parsed once.
+@functools.lru_cache(maxsize=256)
 def smtp_reply(phase: str, code: int, message: str) -> Reply:
     """A server's reply; one without a valid code is no SMTP reply at all."""
     if 100 <= code < 600:
