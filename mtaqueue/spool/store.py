@@ -36,6 +36,7 @@ from . import journal
 from .batch import FULL, Accept, Adopt, Emit, Op, Place, Remove, Update
 from .errors import DISK_LOW, WRITER_DOWN, SpoolLocked, StorageError, StorageFull
 from .finished import Finished, end_state
+from .fresh import FreshContent
 from .incoming import ContentSigner, IncomingMessage
 from .key_index import KeyIndex
 from .layout import SpoolLayout
@@ -75,6 +76,7 @@ class Spool:
         self.dedupe_window = dedupe_window
         self.messages = MessageMap()  # the queue, held encoded (records.py)
         self.finished = Finished()  # how recent messages left it (finished.py)
+        self.fresh = FreshContent()  # content just accepted, for its delivery (fresh.py)
         self.keys = KeyIndex()  # dedupe_key -> (id, created)
         self.suppressed = suppressions()  # lower-cased address -> entry
         self.ids = IdGenerator()
@@ -277,6 +279,7 @@ class Spool:
         if last is not None:
             self.finished.add(queue_id, end_state(reason, last.recipients), last.tenant)
         self.messages.pop(queue_id)
+        self.fresh.drop(queue_id)
         return self._writer.send(
             Remove(queue_id, reason, final if self.events is not None else None)
         )
@@ -304,6 +307,7 @@ class Spool:
             "idempotency_keys": len(self.keys),
             "suppressions": len(self.suppressed),
             "finished": len(self.finished),
+            "fresh_content": len(self.fresh),
         }
 
     def prune(self, now: float) -> None:
@@ -318,8 +322,10 @@ class Spool:
         return entry if entry is not None and entry.until > now else None
 
     def content(self, queue_id: str) -> bytes:
-        """The stored content (blocking read; call from a worker thread)."""
-        return read_content(self.layout.message_path(queue_id))
+        """The stored content: as accepted if it is still at hand, else read from its file
+        (a blocking read of a file in the page cache, mostly)."""
+        fresh = self.fresh.get(queue_id)
+        return fresh if fresh is not None else read_content(self.layout.message_path(queue_id))
 
     def journal_bytes(self) -> int:
         return sum(path.stat().st_size for path in journal.list_segments(self.layout.journal))
@@ -385,6 +391,8 @@ class Spool:
         if isinstance(op, Accept | Adopt | Place):  # durable: queued, whoever still waits
             message = op.message
             self.messages.put(message)
+            if isinstance(op, Accept) and not op.signatures:  # (else the writer signed it)
+                self.fresh.keep(message.id, op.content)
             key = dedupe_key(message.idempotency_key, message.tenant)
             if key is not None:
                 self.keys.keep(key, message.id, message.created)
