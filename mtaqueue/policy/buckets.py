@@ -71,6 +71,8 @@ class TokenBucket:
         """Change the rate from `now` on; what was earned at the old rate is kept."""
         if rate < 0:
             raise ValueError("a token bucket needs rate >= 0")
+        if rate == self.rate:
+            return  # (the shaper sets it at every look; a refill is made when it is read)
         self._refill(now)
         if self.rate == 0:
             # An unlimited bucket is always full: lifting the limit and setting it again

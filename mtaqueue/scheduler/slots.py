@@ -130,10 +130,11 @@ class Admission:
         self.held_back.pop(station.key, None)
         # Idle connections no longer admitted close; a failed connect tries the next host.
         for slot in list(station.slots.values()):
-            active, reserved = station.counts()
-            if slot.state == IDLE and not shaper.keeps(now, active, reserved, slot.first_class):
-                self.end(slot)
-                actions.append(Close(slot.id))
+            if slot.state == IDLE:
+                active, reserved = station.counts()
+                if not shaper.keeps(now, active, reserved, slot.first_class):
+                    self.end(slot)
+                    actions.append(Close(slot.id))
             elif slot.state == WAITING:
                 others, others_reserved = station.counts(leaving=slot)
                 wait = shaper.connect_wait(now, others, others_reserved, slot.first_class)
