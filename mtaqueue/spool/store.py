@@ -5,7 +5,7 @@
     spool.accept(message, content) / incoming(message) / adopt / update / remove / emit
     spool.suppress / unsuppress / suppression, show(message), content(queue_id)
     spool.prune(now)                     keys past the dedupe window, ended suppressions
-    spool.messages, finished, keys, suppressed, ids, layout, refusal, free_bytes, ...
+    spool.messages, finished, fresh, keys, suppressed, ids, layout, refusal, free_bytes, ...
     await spool.close(timeout)
 
 `open()` locks the spool, rebuilds the queue from the journal and starts the writer
