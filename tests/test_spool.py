@@ -283,3 +283,22 @@ def test_the_writer_reads_the_journal_while_the_daemon_does(tmp_path, monkeypatc
 
     assert asyncio.run(restart()) == ids
     assert deleted_first == [True]  # the writer had read, compacted and deleted meanwhile
+
+
+def test_content_kept_for_delivery_is_what_the_file_holds_and_goes_with_the_message(tmp_path):
+    """spool/fresh.py serves an accepted message's content without reading its file: only
+    if the two agree, and never after the message left the queue."""
+    from mtaqueue.spool.message_file import read_content
+
+    async def main() -> None:
+        spool = await started(tmp_path)
+        record = message(spool)
+        content = b"Subject: kept\r\n\r\n.a line with a dot\r\nend\r\n"
+        queue_id = await asyncio.wait_for(spool.accept(record, content), 10)
+        assert spool.fresh.get(queue_id) is content  # held, not read back
+        assert spool.content(queue_id) == read_content(spool.layout.message_path(queue_id))
+        await asyncio.wait_for(spool.remove(queue_id, "delivered"), 10)
+        assert spool.fresh.get(queue_id) is None and spool.fresh.bytes == 0
+        assert await spool.close(5) is True
+
+    asyncio.run(main())
