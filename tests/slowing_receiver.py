@@ -10,6 +10,8 @@
     base          seconds before that reply at any load (network and filters)
     steady        seconds before that reply always: a host slow at any load
     banner        the same slowing for the greeting as well
+    elsewhere     its thread runs at a higher priority (nice -15, where we may raise it): a
+                  receiver on another machine, which the load of ours does not slow
 
 It offers PIPELINING and answers each command as it reads it (a pipelined group's replies
 go out together). `accepted` holds, for each message, how many sessions were open when
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import os
 import threading
 import time
 
@@ -37,8 +41,10 @@ class SlowPeer:
         comfort_rate: float | None = None,
         per_rate: float = 0.0,
         after: int = 0,
+        elsewhere: bool = False,
     ) -> None:
         self.after = after
+        self.elsewhere = elsewhere
         self.comfort, self.per_session = comfort, per_session
         self.comfort_rate, self.per_rate = comfort_rate, per_rate
         self.rates: list[float] = []  # at each acceptance, those of the second before
@@ -50,7 +56,7 @@ class SlowPeer:
         self.connections = 0
         self._open = 0
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._server: asyncio.Server | None = None
 
     def __enter__(self) -> SlowPeer:
@@ -63,6 +69,14 @@ class SlowPeer:
         asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+    def _run(self) -> None:
+        # Not root: the load slows this receiver as it slows us. (Linux's priority is
+        # per thread: this one only.)
+        if self.elsewhere:
+            with contextlib.suppress(PermissionError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -15)
+        self._loop.run_forever()
 
     def delay(self) -> float:
         """The wait before a slowed reply, at the sessions open now."""
