@@ -241,6 +241,24 @@ def test_a_site_that_refuses_outright_after_the_pause_is_measured_over_the_serie
     assert learner.rate < after_first * rl.BETA  # deeper than one more cut of the same
 
 
+def test_refused_outright_it_pauses_until_what_the_series_took_is_paid_for():
+    """A minute's window (anvil's default unit) overrun after half a minute at 30/s: the
+    refusal outright after the first pause means its window has not ended. Instead of the
+    doubled cool-down (a probe 4 s on, refused again), the pause lasts until the 900 it
+    took are paid for at the new rate."""
+    learner = RateLearner(0.0)
+    learner.good, learner.rate = 40.0, 30.0  # past slow start, recovering
+    now = send_for(learner, 0.0, 30.0)
+    delivered = learner._run_delivered
+    learner.throttled(now, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    resumed = now + learner.wait(now)
+    learner.sent(resumed)
+    learner.throttled(resumed, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    until = resumed + learner.wait(resumed)
+    assert until == pytest.approx(delivered / learner.rate)  # (the series began at 0)
+    assert until > resumed + 2 * rl.COOLDOWN_MIN + 2.0  # well past the doubled cool-down
+
+
 def test_what_a_series_took_is_probed_past_at_the_ordinary_pace():
     # Refused time included, what an overrun anvil took is under its limit, not where it
     # said no: held at the slow pace of a measured limit it cost a flushed drain 1.4x.

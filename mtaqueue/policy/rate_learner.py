@@ -27,7 +27,10 @@ kept for people:
   its first run began, refused time included: a fixed-window limiter (Postfix's anvil)
   that was overrun refuses for the rest of its window, and what it took over that span
   is its rate; refused time included, that is under the limit, and is probed past at
-  the ordinary pace.
+  the ordinary pace. The pause then lasts, if longer, until what the series took is
+  paid for at the new rate: a window of a minute (anvil's default) that gave its whole
+  allowance at once refuses for the rest of the minute, and doubling from 2 s alone
+  would spend a refusal on each of 4, 8, 16 and 32 s.
 - Then it recovers by RECOVER times a round up to NEAR the good rate, closes in on it by a
   quarter of the distance (at least PROBE_STEP of it) every PROBE_EVERY deliveries and
   PROBE_SECONDS (PROBE_SLOW at most), up to slow start's guess or UNDER a measured limit
@@ -271,6 +274,9 @@ class RateLearner:
         # Over a series the refused time counts: what it took is under the limit, not
         # where the site said no, and is probed past at the ordinary pace.
         self._cut(reply, measured, upper=not outright)
+        if outright:
+            paid = self._series_at + self._series_delivered / self.rate
+            self.paused_until = max(self.paused_until, min(paid, now + COOLDOWN_MAX))
         self._restart_measurement()
         return True
 
