@@ -26,7 +26,9 @@ relayed to the provider and flushed.
 `--flush` adds mtaqueue a second way, the outage as a running daemon meets it
 (outage_flush.py does the same with the synthetic providers): delivery on, the provider's
 Postfix not running (its port refuses) while the backlog is submitted and for the rest of
-the outage, then started, then `mtaqueue-ctl flush --all` (the release).
+the outage, then started, then `mtaqueue-ctl flush --all` (the release). `--hold-bulk`
+makes that flush the runbook's step 3 (docs/runbooks.md, outage recovery): p1 and p2 held
+before the flush, released and flushed again once no p0 message is left.
 
 Minimum drain time: anvil counts MAILs in windows of `rate_unit` seconds, each starting at
 the first MAIL after the previous one ended, `rate` allowed in each (refused ones count
@@ -45,6 +47,7 @@ import argparse
 import math
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -176,6 +179,8 @@ def run_mtaqueue(args, workdir: Path, timeout: float, flush: bool = False) -> tu
     name, label, tag = (
         ("flush", ", outage then flush --all", "pff") if flush else ("shipped", "", "pfm")
     )
+    if flush and args.hold_bulk:
+        label += " (bulk held until p0 went)"
     run = Run(name, f"mtaqueue (shipped config){label}", plan(s.messages, tag))
     workdir, sink = run_directory(workdir, f"mtaqueue-{run.name}")
     dns = provider_dns()
@@ -188,7 +193,9 @@ def run_mtaqueue(args, workdir: Path, timeout: float, flush: bool = False) -> tu
             s, workdir / "spool", receiver.port, sink.port, dns.address, False, False
         )
         if flush:
-            daemon = outage_then_flush(run, s, workdir, cfg, args.mq_option, receiver)
+            daemon = outage_then_flush(
+                run, s, workdir, cfg, args.mq_option, receiver, args.hold_bulk
+            )
         else:
             daemon = queue_and_release(run, s, workdir, cfg, args.mq_option)
         sample_until_drained(
@@ -206,9 +213,12 @@ def run_mtaqueue(args, workdir: Path, timeout: float, flush: bool = False) -> tu
     return run, receiver.log
 
 
-def outage_then_flush(run: Run, s: Scenario, workdir: Path, cfg, overrides, receiver) -> Daemon:
+def outage_then_flush(
+    run: Run, s: Scenario, workdir: Path, cfg, overrides, receiver, hold_bulk: bool
+) -> Daemon:
     """The daemon running while the backlog is submitted and the provider is down, then
-    the provider started and `flush --all`: the release. Returns the running daemon."""
+    the provider started and `flush --all`: the release. With `hold_bulk`, p1 and p2 are
+    held first and let go once p0 is gone (a thread). Returns the running daemon."""
     daemon = Daemon(workdir, "release", cfg, overrides)  # (read_daemon_log's name)
     try:
         daemon.start()
@@ -216,14 +226,32 @@ def outage_then_flush(run: Run, s: Scenario, workdir: Path, cfg, overrides, rece
         run.submit_s = submit("127.0.0.1", MTAQUEUE_PORT, run.planned, s.sessions, s.size)
         wait_outage(first, s)
         receiver.pf.start()
+        for klass in BULK if hold_bulk else ():
+            daemon.ask("hold", {"class": klass})
         run.release = time.time()
         [flushed] = daemon.ask("flush", {"all": True})
         run.startup_s = time.time() - run.release  # (how long the flush command took)
         run.notes.append(f"flush --all: {flushed}")
+        if hold_bulk:
+            threading.Thread(target=release_after_p0, args=(run, daemon), daemon=True).start()
     except BaseException:
         daemon.stop()
         raise
     return daemon
+
+
+BULK = ("p1", "p2")
+
+
+def release_after_p0(run: Run, daemon: Daemon) -> None:
+    """The runbook's step 3 ended: once no p0 message is queued, the bulk released and
+    flushed (it was deferred in the outage)."""
+    while daemon.ask("status")[0]["by_class"].get("p0", 0):
+        time.sleep(0.2)
+    for klass in BULK:
+        daemon.ask("release", {"class": klass})
+    daemon.ask("flush", {"all": True})
+    run.notes.append(f"p0 gone, bulk released and flushed at {time.time() - run.release:.1f} s")
 
 
 def run_postfix(args, workdir: Path, timeout: float) -> tuple[Run, dict]:
@@ -319,6 +347,7 @@ def main() -> int:
     add("--skip-mtaqueue", action="store_true")
     add("--skip-postfix", action="store_true")
     add("--flush", action="store_true", help="also mtaqueue with the outage live, then a flush")
+    add("--hold-bulk", action="store_true", help="--flush holds p1, p2 until p0 is gone")
     add("--mq-option", action="append", default=[], metavar="SECTION.KEY=VALUE")
     add("--keep", action="store_true")
     args = parser.parse_args()
