@@ -105,6 +105,21 @@ def test_idle_time_before_a_run_is_not_measured():
     assert learner.accepted(101.0) == pytest.approx(10.0)
 
 
+def test_idle_time_before_a_series_is_not_refused_time():
+    """A flush after an outage: the learner was made a minute before the first message. An
+    anvil window overrun, then refused outright: what it took is measured from the first
+    message, not from the quiet minute (that read 2 a second at a site taking 5)."""
+    learner = RateLearner(0.0)
+    learner.good, learner.rate = 8.0, 10.0  # past slow start
+    now = send_for(learner, 60.0, 10.0)
+    delivered = learner._run_delivered
+    learner.throttled(now, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    resumed = now + learner.wait(now)
+    learner.sent(resumed)
+    learner.throttled(resumed, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    assert learner.good == pytest.approx(delivered / (resumed - 60.0), rel=0.01)
+
+
 def test_a_step_past_the_limit_is_not_the_good_rate():
     # A step from 10 to 12 a second met the limit: the run measures at the rate sent (the
     # site's allowance lasted a while), and the limit lies between the rate before the
