@@ -106,11 +106,14 @@ def test_idle_time_before_a_run_is_not_measured():
 
 
 def test_idle_time_before_a_series_is_not_refused_time():
-    """A flush after an outage: the learner was made a minute before the first message. An
-    anvil window overrun, then refused outright: what it took is measured from the first
-    message, not from the quiet minute (that read 2 a second at a site taking 5)."""
+    """A flush after an outage: the learner was made a minute before the site took a
+    message, and what it let go in the outage failed to connect. An anvil window overrun,
+    then refused outright: what it took is measured from the first message it took, not
+    from the quiet minute (that read 2 a second at a site taking 5)."""
     learner = RateLearner(0.0)
     learner.good, learner.rate = 8.0, 10.0  # past slow start
+    for t in range(0, 55, 5):
+        learner.sent(float(t))  # (connection refused: no answer for the learner)
     now = send_for(learner, 60.0, 10.0)
     delivered = learner._run_delivered
     learner.throttled(now, "450 4.7.1 Error: too much mail from 192.0.2.1")

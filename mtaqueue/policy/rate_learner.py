@@ -24,8 +24,8 @@ kept for people:
   signal. A signal before REPEAT deliveries went through after a cool-down (the site is
   still unhappy) doubles the next one, up to COOLDOWN_MAX. When it refused outright (not
   one delivery since the resume), the acceptance is measured over the whole series since
-  its first run's first message (quiet time before it, an outage before a flush, is not
-  the site's), refused time included: a fixed-window limiter (Postfix's anvil)
+  the first message its first run delivered (time before it, an outage before a flush,
+  is not the site's), refused time included: a fixed-window limiter (Postfix's anvil)
   that was overrun refuses for the rest of its window, and what it took over that span
   is its rate; refused time included, that is under the limit, and is probed past at
   the ordinary pace. The pause then lasts, if longer, until what the series took is
@@ -183,8 +183,8 @@ class RateLearner:
         self._round_sent = 0
         self._probe_count = 0
         self._probe_at = now
-        self._since = now  # the measurement counts from here: the run's first send
-        self._sending = False  # whether this run sent (`_since` moved to its first send)
+        self._since = now  # the measurement counts from here: the run's first answer
+        self._answered = False  # whether the site took one of this run (`_since` moved)
         self._run_delivered = 0  # since `_since`
         self._series_at = now  # where this series of episodes began
         self._series_delivered = 0  # in the runs of the series before this one
@@ -217,16 +217,17 @@ class RateLearner:
         """A message was let go (a round's use)."""
         self._wake(now)
         self._round_sent += 1
-        if not self._sending:
-            # The run starts with its first message: quiet time before it (an outage
-            # before a flush) says nothing of the site, and over a series it would count
-            # as refused time (a flushed drain was cut to under half the site's rate).
-            self._sending, self._since = True, max(self._since, now)
 
     def delivered(self, now: float, ceiling: float) -> None:
         """A transaction the site took at our pace (a real 2xx after the data, or a
         greylisting answer): evidence, and a step of growth when one is due."""
         self._wake(now)
+        if not self._answered:
+            # The run starts with the first message the site took: time before it (an
+            # outage before a flush, its failed connects included) says nothing of the
+            # site, and over a series it would count as refused time (a flushed drain was
+            # cut to under half the site's rate).
+            self._answered, self._since = True, max(self._since, now)
         self._deliveries.append(now)
         self._run_delivered += 1
         while self._deliveries and self._deliveries[0] < now - WINDOW:
@@ -291,7 +292,7 @@ class RateLearner:
         """The measurement and the rounds start over when sending resumes."""
         self._since = self._round_at = self._probe_at = self.paused_until
         self._round_sent = self._probe_count = self._run_delivered = 0
-        self._sending = False
+        self._answered = False
         self._deliveries.clear()
 
     def _cut(self, reply: str, measured: float, *, upper: bool) -> None:
