@@ -24,6 +24,16 @@ def send_for(learner: RateLearner, start: float, seconds: float, ceiling: float 
     return now
 
 
+def refused_outright(learner: RateLearner, now: float) -> float:
+    """anvil overrun at `now`, and refused again at the first message after the pause
+    (its window has not ended); returns when that was."""
+    learner.throttled(now, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    resumed = now + learner.wait(now)
+    learner.sent(resumed)
+    learner.throttled(resumed, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    return resumed
+
+
 def test_slow_start_doubles_while_the_allowance_is_used():
     learner = RateLearner(0.0)
     assert learner.rate == rl.SLOW_START
@@ -116,10 +126,7 @@ def test_idle_time_before_a_series_is_not_refused_time():
         learner.sent(float(t))  # (connection refused: no answer for the learner)
     now = send_for(learner, 60.0, 10.0)
     delivered = learner._run_delivered
-    learner.throttled(now, "450 4.7.1 Error: too much mail from 192.0.2.1")
-    resumed = now + learner.wait(now)
-    learner.sent(resumed)
-    learner.throttled(resumed, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    resumed = refused_outright(learner, now)
     assert learner.good == pytest.approx(delivered / (resumed - 60.0), rel=0.01)
 
 
@@ -268,10 +275,7 @@ def test_refused_outright_it_pauses_until_what_the_series_took_is_paid_for():
     learner.good, learner.rate = 40.0, 30.0  # past slow start, recovering
     now = send_for(learner, 0.0, 30.0)
     delivered = learner._run_delivered
-    learner.throttled(now, "450 4.7.1 Error: too much mail from 192.0.2.1")
-    resumed = now + learner.wait(now)
-    learner.sent(resumed)
-    learner.throttled(resumed, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    resumed = refused_outright(learner, now)
     until = resumed + learner.wait(resumed)
     assert until == pytest.approx(delivered / learner.rate)  # (the series began at 0)
     assert until > resumed + 2 * rl.COOLDOWN_MIN + 2.0  # well past the doubled cool-down
@@ -283,10 +287,7 @@ def test_what_a_series_took_is_probed_past_at_the_ordinary_pace():
     learner = RateLearner(0.0)
     learner.good, learner.rate = 4.0, 6.0  # past slow start, at anvil's 60 per 10 s
     now = send_for(learner, 0.0, 3.0)
-    learner.throttled(now, "450 4.7.1 Error: too much mail from 192.0.2.1")
-    resumed = now + learner.wait(now)
-    learner.sent(resumed)
-    learner.throttled(resumed, "450 4.7.1 Error: too much mail from 192.0.2.1")
+    resumed = refused_outright(learner, now)
     start = resumed + learner.wait(resumed)
     held = copy.deepcopy(learner)
     held._confirmed = True  # as if the site had said no there

@@ -183,8 +183,7 @@ class RateLearner:
         self._round_sent = 0
         self._probe_count = 0
         self._probe_at = now
-        self._since = now  # the measurement counts from here: the run's first answer
-        self._answered = False  # whether the site took one of this run (`_since` moved)
+        self._since = now  # the measurement counts from here: the run's first delivery
         self._run_delivered = 0  # since `_since`
         self._series_at = now  # where this series of episodes began
         self._series_delivered = 0  # in the runs of the series before this one
@@ -222,12 +221,12 @@ class RateLearner:
         """A transaction the site took at our pace (a real 2xx after the data, or a
         greylisting answer): evidence, and a step of growth when one is due."""
         self._wake(now)
-        if not self._answered:
+        if not self._run_delivered:
             # The run starts with the first message the site took: time before it (an
             # outage before a flush, its failed connects included) says nothing of the
             # site, and over a series it would count as refused time (a flushed drain was
             # cut to under half the site's rate).
-            self._answered, self._since = True, max(self._since, now)
+            self._since = max(self._since, now)
         self._deliveries.append(now)
         self._run_delivered += 1
         while self._deliveries and self._deliveries[0] < now - WINDOW:
@@ -292,7 +291,6 @@ class RateLearner:
         """The measurement and the rounds start over when sending resumes."""
         self._since = self._round_at = self._probe_at = self.paused_until
         self._round_sent = self._probe_count = self._run_delivered = 0
-        self._answered = False
         self._deliveries.clear()
 
     def _cut(self, reply: str, measured: float, *, upper: bool) -> None:
