@@ -125,6 +125,7 @@ class Daemon:
             min_free=cfg.spool.min_free.bytes_for,
             compact_size=cfg.spool.journal_compact_size,
             dedupe_window=cfg.submission.dedupe_window,
+            file_after=cfg.spool.file_after,
         )
         self.spool.signing_keys = self.signing.pems  # the writer makes the signatures
         d = cfg.delivery

@@ -48,7 +48,12 @@ class SpoolUpkeep:
             for queue_id, problem in report.quarantined
             if queue_id in self.spool.messages
         ]
-        missing = [queue_id for queue_id in report.missing if queue_id in self.spool.messages]
+        # (A message whose file waits is not missing: the journal holds its content.)
+        missing = [
+            queue_id
+            for queue_id in report.missing
+            if queue_id in self.spool.messages and not self.spool.fresh.waits(queue_id)
+        ]
         changes += [self.spool.remove(queue_id, "message file missing") for queue_id in missing]
         adopted = 0
         for start in range(0, len(report.adopt), ADOPT_CHUNK):

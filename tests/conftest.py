@@ -26,6 +26,8 @@ from exim_fetch import EximBinary, EximUnavailable, ensure_exim
 from hypothesis import settings
 from postfix_tools import POSTFIX_TOOLS
 
+from mtaqueue.spool.layout import SpoolLayout
+
 # Properties check behaviour, not speed: hypothesis' per-example deadline (200 ms) would
 # turn a loaded CI machine into failures. Speed belongs in bench/.
 settings.register_profile("mtaqueue", deadline=None)
@@ -123,3 +125,11 @@ def start_daemon(tmp_path):
 @pytest.fixture
 def daemon(start_daemon) -> DaemonProcess:
     return start_daemon()
+
+
+@pytest.fixture
+def layout(tmp_path) -> SpoolLayout:
+    """A spool's directories, made (no daemon)."""
+    layout = SpoolLayout(tmp_path / "spool")
+    layout.create()
+    return layout

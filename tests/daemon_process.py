@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
+from mtaqueue.spool import journal
 from mtaqueue.spool.layout import SpoolLayout
 from mtaqueue.spool.message_file import read_message_file
 
@@ -129,8 +130,15 @@ class DaemonProcess:
         return sock, reader
 
     def stored(self, queue_id: str) -> bytes:
-        """A queued message's content as its spool file holds it."""
-        _, content = read_message_file(SpoolLayout(self.spool).message_path(queue_id))
+        """A queued message's content as the spool holds it: in its file, or, while its
+        file waits (spool/filing.py), in the journal."""
+        layout = SpoolLayout(self.spool)
+        path = layout.message_path(queue_id)
+        if not path.exists():
+            waiting = journal.replay(layout.journal, repair=False).state.unfiled
+            if queue_id in waiting:
+                return waiting[queue_id][1]
+        _, content = read_message_file(path)  # (written meanwhile, if not waiting)
         return content
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess:

@@ -18,8 +18,9 @@ from e2e_helpers import FAST, MailNet, events, wait_for
 
 from mtaqueue.ids import IdGenerator
 from mtaqueue.model import Message, Recipient
+from mtaqueue.spool import journal
 from mtaqueue.spool.layout import SpoolLayout
-from mtaqueue.spool.message_file import file_parts, read_message_file
+from mtaqueue.spool.message_file import file_parts
 
 CLIENTS = 8
 ROUNDS = 6
@@ -49,10 +50,9 @@ def submit_until_failure(port: int, acked: list[tuple[str, str]], stop: threadin
 
 
 def markers_in_queue(daemon: DaemonProcess) -> dict[str, list[str]]:
-    layout = SpoolLayout(daemon.spool)
     found: dict[str, list[str]] = {}
     for queue_id in daemon.messages():
-        _, content = read_message_file(layout.message_path(queue_id))
+        content = daemon.stored(queue_id)
         marker = content.split(b"X-Marker: ", 1)[1].split(b"\r\n", 1)[0].decode()
         found.setdefault(marker, []).append(queue_id)
         assert content.endswith(body(marker)), f"{queue_id} content differs from what was sent"
@@ -245,7 +245,12 @@ def test_free_space_threshold_refuses_before_the_disk_is_full(start_daemon, smal
     assert daemon.wait_event("spool_space_low") and daemon.wait_event("spool_space_ok")
 
 
-def test_write_error_answers_451_and_recovers(daemon):
+@pytest.mark.parametrize("file_after", ["0s", "60s"])
+def test_write_error_answers_451_and_recovers(start_daemon, file_after):
+    """A message file that cannot be written: its message is refused 451. A small one's
+    file may wait (spool/filing.py): then the journal holds it, it is answered 250, and
+    its file is written once the disk takes it again (here, at stop)."""
+    daemon = start_daemon(f"spool.file_after={file_after}", "delivery.enabled=false")
     assert send(daemon, body("before"))[0] == 250
     layout = SpoolLayout(daemon.spool)
     parked = daemon.spool / "msg.parked"
@@ -256,9 +261,16 @@ def test_write_error_answers_451_and_recovers(daemon):
     finally:
         layout.messages.unlink()
         parked.rename(layout.messages)
-    assert code == 451 and "4.3.0" in reply
+    if file_after == "0s":
+        assert code == 451 and "4.3.0" in reply
+    else:
+        assert code == 250
     assert send(daemon, body("after"))[0] == 250
-    assert len(daemon.messages()) == 2
+    assert len(daemon.messages()) == (2 if file_after == "0s" else 3)
+    assert daemon.stop() == 0
+    layout = SpoolLayout(daemon.spool)
+    for queue_id in journal.replay(layout.journal, repair=False).state.messages:
+        assert layout.message_path(queue_id).exists()
 
 
 def test_recovery_rules_for_damaged_spools(start_daemon):

@@ -12,7 +12,6 @@ import threading
 import time
 
 import msgspec
-import pytest
 from dkim_keys import pem, signing_key, verify_all
 
 from mtaqueue.dkim.signer import Signer
@@ -49,13 +48,6 @@ def message() -> Message:
         size=5,
         klass="p1",
     )
-
-
-@pytest.fixture
-def layout(tmp_path) -> SpoolLayout:
-    layout = SpoolLayout(tmp_path / "spool")
-    layout.create()
-    return layout
 
 
 def writer(layout: SpoolLayout) -> SpoolWriter:
@@ -124,7 +116,7 @@ def test_an_accept_in_flight_when_the_writer_died_is_answered_from_the_disk(layo
     # The dead writer had placed one file but journaled nothing; the other it never began.
     dead = writer(layout)
     placed, lost = message(), message()
-    assert dead._write_file(Accept(placed, b"placed\r\n")) == OK
+    assert dead.filing.place([Accept(placed, b"placed\r\n")]) == [OK]
     dead.layout.tmp_path(lost.id).write_bytes(b"half writ")
     dead.close()
     new = writer(layout)
@@ -140,7 +132,7 @@ def test_a_placed_file_is_taken_as_a_writer_that_died_left_it(layout):
     dead = writer(layout)
     renamed, lost = message(), message()
     streamed(layout, renamed, b"renamed\r\n")
-    assert dead._move_file(Place(renamed)) == OK
+    assert dead.filing.place([Place(renamed)]) == [OK]
     dead.close()
     new = writer(layout)
     outcomes = new.commit([Place(renamed), Place(lost)])
@@ -158,7 +150,7 @@ def test_the_writer_makes_the_dkim_signatures_as_it_writes_the_file(layout):
     stored = presigned.fields + presigned.content
     signed = msgspec.structs.replace(message(), size=len(stored))
     spool_writer = writer(layout)
-    spool_writer.add_keys({key.key_id: pem(key.private) for key in keys})
+    spool_writer.filing.add_keys({key.key_id: pem(key.private) for key in keys})
     assert spool_writer.commit([Accept(signed, stored, presigned.pending)]) == [OK]
     spool_writer.close()
     on_disk = read_message_file(layout.message_path(signed.id))[1]

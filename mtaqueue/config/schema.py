@@ -63,6 +63,7 @@ class SpoolConfig(Table):
     min_free: FreeSpace = FreeSpace(fraction=0.02)
     journal_compact_size: Size = size("64MiB")
     stream_threshold: Size = size("256KiB")  # message data past this is written as it arrives
+    file_after: Duration = duration("5s")  # a small message's file waits this long (0: none)
     shutdown_grace: Duration = duration("30s")
 
 

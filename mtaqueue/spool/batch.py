@@ -1,8 +1,10 @@
 """The spool writer's protocol: the operations the daemon sends, and what it answers.
 
-    Batch(ops, events=None, keys={}) -> BatchResult(outcomes, last_event)
+    Batch(ops, events=None, keys={}) -> BatchResult(outcomes, last_event, unfiled, filed)
     ops: Accept, Update, Remove, Adopt, Place, Emit, and Suppress / Unsuppress (journal
     records as they are); an outcome per op: OK, or FULL / ERROR followed by why.
+    unfiled: the batch's accepts whose content only the journal holds for now, and
+    filed: the messages whose files were written since the last answer (writer.py).
 
 Framed msgpack over the socketpair (framing.py); one batch in flight at a time
 (writer.py makes it durable, writer_link.py is the daemon's end).
@@ -80,6 +82,9 @@ class Batch(msgspec.Struct, array_like=True, frozen=True):
 class BatchResult(msgspec.Struct, array_like=True, frozen=True):
     outcomes: list[str]
     last_event: int = 0  # the seq of the newest event in the event log
+    # Accepted without a file for now: the daemon keeps their content until it is filed.
+    unfiled: list[str] = []
+    filed: list[str] = []  # files written since the last answer (or, first, at start)
 
 
 OK = ""

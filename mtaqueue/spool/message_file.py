@@ -58,7 +58,11 @@ class CorruptMessageFile(ValueError):
 
 def file_parts(message: Message, content: bytes) -> tuple[bytes, bytes, bytes]:
     """The prelude, content and header of a message file, for one writev() (no copy)."""
-    header = _encoder.encode(message)
+    return encoded_file_parts(_encoder.encode(message), content)
+
+
+def encoded_file_parts(header: bytes, content: bytes) -> tuple[bytes, bytes, bytes]:
+    """As file_parts, of a record already encoded."""
     return _prelude(len(content), 0, zlib.crc32(content), header), content, header
 
 

@@ -92,7 +92,35 @@ class Continues(msgspec.Struct, tag=8, array_like=True, frozen=True, gc=False):
     last_id: str
 
 
-Record = Put | Delete | KeyKept | SnapshotDone | Suppress | Unsuppress | Noted | Buried | Continues
+class Unfiled(msgspec.Struct, tag=9, array_like=True, frozen=True, gc=False):
+    """A message accepted without its file yet (writer.py: small mail that may leave
+    before it needs one): its record as accepted and its content. Replayed as a Put
+    that also holds the content, until a `Filed` names it or a Delete ends it."""
+
+    message: msgspec.Raw  # the msgpack encoding of the Message
+    content: bytes
+
+
+class Filed(msgspec.Struct, tag=10, array_like=True, frozen=True, gc=False):
+    """These messages' files are written and durable: the journal no longer holds the
+    only copy of their content."""
+
+    ids: list[str]
+
+
+Record = (
+    Put
+    | Delete
+    | KeyKept
+    | SnapshotDone
+    | Suppress
+    | Unsuppress
+    | Noted
+    | Buried
+    | Continues
+    | Unfiled
+    | Filed
+)
 
 # A Put's payload is [0, Message]: a fixarray of two, then tag 0, then the Message.
 PUT_PREFIX = b"\x92\x00"
@@ -228,6 +256,12 @@ class JournalState:
 
     `keys_after`: a replay keeps only the keys created since then (the dedupe window's
     start), so that it never holds the keys of every message since the last snapshot.
+
+    `unfiled` holds, by id, the record as accepted and the content of each live message
+    whose file is not written yet (an `Unfiled` not followed by its `Filed`): the journal
+    is its only copy. Such a message needs no tombstone when it goes (it has no file).
+    `filed` holds the ids a `Filed` named whose content this state does not hold: the
+    older segments' (merged under it by `update`).
     """
 
     def __init__(self, noted_after: int | None = None, keys_after: float = 0.0) -> None:
@@ -245,6 +279,8 @@ class JournalState:
         self.older_ids: str | None = None
         self.suppressed = suppressions()  # address (lower case) -> entry
         self.deleted: dict[str, str] = {}
+        self.unfiled: dict[str, tuple[bytes, bytes]] = {}  # id -> (accepted record, content)
+        self.filed: set[str] = set()
         self._unsuppressed: set[str] = set()  # whose last record read is an Unsuppress
 
     def apply(self, rec: Record | Stored) -> None:
@@ -257,7 +293,17 @@ class JournalState:
             self._put(message.id, data, key, message.created)
         elif type(rec) is Delete:
             self.messages.pop(rec.id)
-            self.deleted[rec.id] = rec.reason
+            if self.unfiled.pop(rec.id, None) is None:
+                self.deleted[rec.id] = rec.reason
+        elif type(rec) is Unfiled:
+            data = bytes(rec.message)
+            head = _head_decoder.decode(data)
+            self._put(head.id, data, head.dedupe_key, head.created)
+            self.unfiled[head.id] = (data, rec.content)
+        elif type(rec) is Filed:
+            for queue_id in rec.ids:
+                if self.unfiled.pop(queue_id, None) is None and self.older_ids != "":
+                    self.filed.add(queue_id)
         elif type(rec) is KeyKept:
             if rec.created >= self.keys_after:
                 self.keys.keep(rec.key, rec.id, rec.created)
@@ -302,6 +348,10 @@ class JournalState:
         for queue_id, reason in newer.deleted.items():
             self.messages.pop(queue_id)
             self.deleted[queue_id] = reason
+            self.unfiled.pop(queue_id, None)
+        for queue_id in newer.filed:
+            self.unfiled.pop(queue_id, None)
+        self.unfiled.update(newer.unfiled)
         for key, (queue_id, created) in newer.keys.items():
             self.keys.keep(key, queue_id, created)
         self.suppressed.update(newer.suppressed)
@@ -350,8 +400,12 @@ class JournalState:
     def snapshot(self) -> Iterator[Record | Stored]:
         """The records of a snapshot of the state, one at a time (the state must not
         change meanwhile): the messages as they are held (only their heads decoded),
-        then keys, suppressions, tombstones, SnapshotDone."""
+        then keys, suppressions, tombstones, SnapshotDone. The content of a message
+        without its file yet goes with it, as its `Unfiled` (the Put after it brings
+        its current record)."""
         messages = self.messages
+        for accepted, content in self.unfiled.values():
+            yield Unfiled(msgspec.Raw(accepted), content)
         yield from map(stored, messages.encoded())
         for key, (queue_id, created) in self.keys.items():
             # A live message's Put brings its key back; any other key needs a record.

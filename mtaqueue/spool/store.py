@@ -1,6 +1,6 @@
 """The spool as the daemon sees it: the queue index, and its changes made durable.
 
-    spool = Spool(root, min_free=..., compact_size=..., dedupe_window=...)
+    spool = Spool(root, min_free=..., compact_size=..., dedupe_window=..., file_after=...)
     report = await spool.open()          # RecoveryReport; raises SpoolLocked, StorageError
     spool.accept(message, content) / incoming(message) / adopt / update / remove / emit
     spool.suppress / unsuppress / suppression, show(message), content(queue_id)
@@ -33,7 +33,7 @@ from ..ids import IdGenerator
 from ..logs import get_logger
 from ..model import Message
 from . import journal
-from .batch import FULL, Accept, Adopt, Emit, Op, Place, Remove, Update
+from .batch import FULL, Accept, Adopt, BatchResult, Emit, Op, Place, Remove, Update
 from .errors import DISK_LOW, WRITER_DOWN, SpoolLocked, StorageError, StorageFull
 from .finished import Finished, end_state
 from .fresh import FreshContent
@@ -70,6 +70,7 @@ class Spool:
         min_free: Callable[[int], int],
         compact_size: int,
         dedupe_window: float,
+        file_after: float = 0.0,
     ) -> None:
         self.layout = SpoolLayout(root)
         self._min_free = min_free  # total bytes of the file system -> bytes to keep free
@@ -90,7 +91,7 @@ class Spool:
         self.signing_keys: dict[str, bytes] = {}  # DKIM key id -> PEM (SigningService.pems)
         self._pending_keys: dict[str, asyncio.Future] = {}
         writer_args = [str(self.layout.root), "--compact-size", str(compact_size)]
-        writer_args += ["--dedupe-window", str(dedupe_window)]
+        writer_args += ["--dedupe-window", str(dedupe_window), "--file-after", str(file_after)]
         self._writer = WriterLink(self, writer_args)
         self._lock_fd = -1
         self._io = ThreadPoolExecutor(STREAM_THREADS, thread_name_prefix="spool-stream")
@@ -146,6 +147,11 @@ class Spool:
         for path in result.obsolete:
             path.unlink(missing_ok=True)
         self.messages = result.state.messages
+        # Mail whose file waited when the last writer stopped: the writer writes those
+        # files as it starts (and says so in its first answer); until then, or if it
+        # cannot, the journal's copy is the one at hand.
+        for queue_id, (_, content) in result.state.unfiled.items():
+            self.fresh.pin(queue_id, content)
         self.keys = result.state.keys
         self.suppressed = result.state.suppressed
         if self.messages:
@@ -348,8 +354,9 @@ class Spool:
 
     # -- answers from the writer (writer_link.SpoolSide) ------------------------------
 
-    def batch_answered(self, answers: list[Answer], last_event: int) -> None:
+    def batch_answered(self, answers: list[Answer], result: BatchResult) -> None:
         """A batch is durable (or failed): publish it."""
+        last_event = result.last_event
         if last_event > self.last_event:
             self.last_event = last_event
             if self.on_events is not None:
@@ -358,13 +365,18 @@ class Spool:
             self.refresh_free_space()
         except OSError as exc:
             log.error("spool_statvfs_failed", error=str(exc))
+        waiting = set(result.unfiled)
         for op, future, outcome in answers:
+            if waiting and type(op) is Accept and op.message.id in waiting:
+                self.fresh.pin(op.message.id, op.content)  # the journal's is its only copy
             try:
                 self._resolve(op, future, outcome)
             except Exception as exc:  # a bug here must not strand the rest of the batch
                 log.exception("spool_resolve_failed", op=type(op).__name__)
                 if not future.done():
                     future.set_exception(StorageError(repr(exc)))
+        for queue_id in result.filed:
+            self.fresh.unpin(queue_id)
 
     def _resolve(self, op: Op, future: asyncio.Future, outcome: str) -> None:
         if outcome:

@@ -24,20 +24,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
+import select
 import signal
 import socket
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
 
 from .. import heap, memory_trace
-from ..dkim.keys import PrivateKey, load_private
-from ..dkim.signature import PendingSignature, fill
 from ..events import derive
 from ..events.event import Event, msgpack_encoder
 from ..framing import frame, split_frames
@@ -45,7 +42,6 @@ from ..model import Message
 from . import journal
 from .batch import (
     ERROR,
-    FULL,
     OK,
     Accept,
     Adopt,
@@ -57,30 +53,34 @@ from .batch import (
     Remove,
     Update,
 )
-from .durable import fsync_dir, fsync_path, is_disk_full, write_all
+from .durable import fsync_dir, fsync_path
 from .event_log import EventLogWriter
 from .expiring import prune_period
+from .filing import Filing, outcome_of
 from .layout import SpoolLayout
-from .message_file import file_parts
 from .records import (
     Buried,
     Continues,
     Delete,
+    Filed,
     JournalState,
     Noted,
     Put,
     Record,
     Suppress,
+    Unfiled,
     Unsuppress,
 )
 
-IO_THREADS = 4
+_encoder = msgspec.msgpack.Encoder()
 
 
 class SpoolWriter:
     """Applies batches to the disk. Synchronous; owns the journal's write end."""
 
-    def __init__(self, root: Path, *, compact_size: int, dedupe_window: float) -> None:
+    def __init__(
+        self, root: Path, *, compact_size: int, dedupe_window: float, file_after: float = 0.0
+    ) -> None:
         self.layout = SpoolLayout(root)
         self.compact_size = compact_size
         self.dedupe_window = dedupe_window
@@ -117,8 +117,13 @@ class SpoolWriter:
             self.journal.append(journal.encode(Continues(max(self.state.messages, default=""))))
         self._base_size = 0  # journal size right after the last compaction
         self._prune_at = 0.0  # time.monotonic() of the next prune
-        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="spool-io")
-        self._keys: dict[str, PrivateKey | str] = {}  # DKIM key id -> key, or why not
+        self.state.filed.clear()  # (for merging segments only)
+        self.filing = Filing(self.layout, file_after)
+        self.filed: list[str] = []  # files written since the last answer (BatchResult.filed)
+        # Mail accepted without its file by a writer before us: filed before anything else.
+        for queue_id, (_, content) in self.state.unfiled.items():
+            self.filing.waiting(queue_id, len(content), 0.0)
+        self.file_due(time.monotonic(), everything=True)
         # Merge the segments left by earlier runs, and rewrite a damaged journal. A
         # single whole segment (the last snapshot and what followed it) is left as it
         # is: rewriting a large queue at every start would delay the first answer for
@@ -129,15 +134,6 @@ class SpoolWriter:
         else:
             self._bury()
 
-    def add_keys(self, pems: dict[str, bytes]) -> None:
-        """DKIM keys to sign with (Batch.keys). One that does not load fails the messages
-        it would sign, not the batch (the daemon checked it: a file changed since?)."""
-        for key_id, pem in pems.items():
-            try:
-                self._keys[key_id] = load_private(pem)
-            except (ValueError, TypeError) as exc:
-                self._keys[key_id] = f"DKIM key {key_id} does not load: {exc}"
-
     def commit(self, ops: list[Op], expire_actions: dict[str, str] | None = None) -> list[str]:
         """Make a batch durable; `expire_actions` given (see Batch.events): with events."""
         outcomes = [OK] * len(ops)
@@ -146,11 +142,25 @@ class SpoolWriter:
         frames = [b""] * len(ops)
         noted: list[tuple[int, list[bytes]] | None] = [None] * len(ops)
         latest: dict[str, Message | None] = {}  # the batch's own changes, for the next one
+        waiting: dict[int, str] = {}  # the accepts whose file waits (records.Unfiled)
+        waiting_bytes = 0
         seq = self.next_seq
         for i, op in enumerate(ops):
             if isinstance(op, Adopt | Place) and op.message.id in self.state.messages:
-                continue  # journaled already (by the writer that died): the file decides
-            rec = _record(op)
+                # Journaled already (by the writer that died): the file decides, or, if it
+                # waits, the journal's content (written now).
+                if op.message.id in self.state.unfiled:
+                    outcomes[i] = self._file_now(op.message.id)
+                continue
+            if isinstance(op, Adopt | Place) and op.message.id in self.state.deleted:
+                outcomes[i] = f"{ERROR}message {op.message.id} was removed"
+                continue
+            if type(op) is Accept and self.filing.may_wait(op, waiting_bytes):
+                rec: Record | None = Unfiled(msgspec.Raw(_encoder.encode(op.message)), op.content)
+                waiting[i] = op.message.id
+                waiting_bytes += len(op.content)
+            else:
+                rec = _record(op)
             events = [] if expire_actions is None else self._events(op, latest, expire_actions)
             try:
                 if events:
@@ -172,16 +182,23 @@ class SpoolWriter:
                 outcomes[i] = f"{ERROR}cannot journal: {exc}"
             else:
                 records[i] = rec
-        files = [i for i, op in enumerate(ops) if isinstance(op, Accept | Adopt | Place)]
-        files = [i for i in files if not outcomes[i]]
-        placed = self._pool.map(self._place, [ops[i] for i in files])
-        written = []
-        for i, outcome in zip(files, placed, strict=True):
+        placing = [
+            (i, op)
+            for i, op in enumerate(ops)
+            if isinstance(op, Accept | Adopt | Place) and not outcomes[i] and i not in waiting
+        ]
+        written = []  # (index, id) of the files made durable
+        placed = self.filing.place([op for _, op in placing])
+        for (i, op), outcome in zip(placing, placed, strict=True):
             if outcome:
                 outcomes[i] = outcome
             else:
-                written.append(i)
-        self._sync_dirs(ops, written, outcomes)
+                written.append((i, op.message.id))
+        failed = self.filing.sync_dirs([queue_id for _, queue_id in written])
+        for i, queue_id in written:
+            if queue_id in failed:
+                outcomes[i] = failed[queue_id]
+        written = [(i, queue_id) for i, queue_id in written if queue_id not in failed]
 
         done = [i for i, outcome in enumerate(outcomes) if not outcome]
         data = b"".join(frames[i] for i in done)
@@ -189,29 +206,70 @@ class SpoolWriter:
             try:
                 self.journal.append(data)
             except Exception as exc:
-                failure = _outcome(exc) if isinstance(exc, OSError) else f"{ERROR}{exc!r}"
-                for i in written:  # never acknowledged: do not leave them behind
+                failure = outcome_of(exc) if isinstance(exc, OSError) else f"{ERROR}{exc!r}"
+                for i, queue_id in written:  # never acknowledged: do not leave them behind
                     # An adopted file was there before (else re-adopted at the next start).
                     if isinstance(ops[i], Accept | Place) and records[i] is not None:
                         with contextlib.suppress(OSError):
-                            self.layout.message_path(ops[i].message.id).unlink(missing_ok=True)
+                            self.layout.message_path(queue_id).unlink(missing_ok=True)
                 return [outcome or failure for outcome in outcomes]
         # Durable from here on: nothing below may fail the batch.
         self.next_seq = seq  # an op that failed leaves a gap in the numbers, no event
         self._log_events([noted[i] for i in done if noted[i] is not None])
+        now = time.monotonic()
         for i in done:
             rec = records[i]
             if rec is None:
                 continue
-            self.state.apply(rec)
-            if type(rec) is Delete:
+            if type(rec) is Delete and rec.id in self.state.unfiled:
+                self.filing.gone(rec.id)  # it never had a file
+            elif type(rec) is Delete:
                 with contextlib.suppress(OSError):  # the tombstone stays until _bury manages
                     self.layout.message_path(rec.id).unlink(missing_ok=True)
+            self.state.apply(rec)
+            if type(rec) is Unfiled:
+                self.filing.waiting(waiting[i], len(rec.content), now)
+        self.file_due(now)
         if self.journal.size > max(self.compact_size, 2 * self._base_size):
             self.compact()
-        elif time.monotonic() >= self._prune_at:
+        elif now >= self._prune_at:
             self.prune()
         return outcomes
+
+    def waiting_files(self, ops: list[Op], outcomes: list[str]) -> list[str]:
+        """Of a batch just answered, the accepts whose files wait (BatchResult.unfiled)."""
+        unfiled = self.state.unfiled
+        return [
+            op.message.id
+            for op, outcome in zip(ops, outcomes, strict=False)
+            if type(op) is Accept and not outcome and op.message.id in unfiled
+        ]
+
+    def file_due(self, now: float, everything: bool = False) -> None:
+        """Write the files that are due (or all that wait), then journal that they are."""
+        due = self.filing.due(now, everything)
+        if not due:
+            return
+        unfiled = self.state.unfiled
+        written = self.filing.write_waiting([(i, *unfiled[i]) for i in due])
+        if not written:
+            return
+        try:
+            self.journal.append(journal.encode(Filed(written)))
+        except Exception:
+            return  # still waiting, as far as a replay knows: written again later
+        self.state.apply(Filed(written))
+        self.filing.filed(written)
+        self.filed += written
+
+    def _file_now(self, queue_id: str) -> str:
+        """An adopt's file: synced if it is there, written from the journal if it waits."""
+        if queue_id not in self.state.unfiled:
+            return self.filing.sync_file(queue_id)
+        self.file_due(time.monotonic(), everything=True)
+        if queue_id in self.state.unfiled:
+            return f"{ERROR}message file {queue_id} could not be written"
+        return OK
 
     def _events(
         self, op: Op, latest: dict[str, Message | None], expire_actions: dict[str, str]
@@ -261,84 +319,6 @@ class SpoolWriter:
         except OSError:
             pass
 
-    def _place(self, op: Accept | Adopt | Place) -> str:
-        if isinstance(op, Accept):
-            return self._write_file(op)
-        return self._move_file(op) if isinstance(op, Place) else self._sync_file(op)
-
-    def _write_file(self, op: Accept) -> str:
-        """temp file, write, fsync, rename: the file appears whole or not at all."""
-        content = op.content
-        if op.signatures:
-            try:
-                content = fill(content, op.signatures, self._signing_keys(op.signatures))
-            except (KeyError, ValueError) as exc:  # a bug: refused (451), never unsigned
-                return f"{ERROR}cannot sign: {exc}"
-        tmp = self.layout.tmp_path(op.message.id)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            return _outcome(exc)
-        try:
-            try:
-                write_all(fd, *file_parts(op.message, content))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, self.layout.message_path(op.message.id))
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            return _outcome(exc)
-        return OK
-
-    def _signing_keys(self, signatures: list[PendingSignature]) -> dict[str, PrivateKey]:
-        keys = {}
-        for item in signatures:
-            key = self._keys.get(item.key_id, f"DKIM key {item.key_id} was never given")
-            if isinstance(key, str):
-                raise KeyError(key)
-            keys[item.key_id] = key
-        return keys
-
-    def _move_file(self, op: Place) -> str:
-        """fsync, rename: the file the daemon wrote appears whole or not at all."""
-        tmp = self.layout.tmp_path(op.message.id)
-        try:
-            fsync_path(tmp)
-            os.rename(tmp, self.layout.message_path(op.message.id))
-        except FileNotFoundError:
-            return self._sync_file(op)  # renamed by a writer that died, or never written
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            return _outcome(exc)
-        return OK
-
-    def _sync_file(self, op: Adopt | Place) -> str:
-        queue_id = op.message.id
-        if queue_id in self.state.deleted:
-            return f"{ERROR}message {queue_id} was removed"
-        # A temp file is an interrupted write (the rename comes after its fsync).
-        self.layout.tmp_path(queue_id).unlink(missing_ok=True)
-        try:
-            fsync_path(self.layout.message_path(queue_id))
-        except FileNotFoundError:
-            return f"{ERROR}message file {queue_id} is not on disk"
-        except OSError as exc:
-            return _outcome(exc)
-        return OK
-
-    def _sync_dirs(self, ops: list[Op], written: list[int], outcomes: list[str]) -> None:
-        dirs: dict[Path, list[int]] = {}
-        for i in written:
-            dirs.setdefault(self.layout.message_dir(ops[i].message.id), []).append(i)
-        for directory, members in dirs.items():
-            try:
-                fsync_dir(directory)
-            except OSError as exc:
-                for i in members:
-                    outcomes[i] = _outcome(exc)
-                    written.remove(i)
-
     def prune(self) -> None:
         """Forget what a compaction would (buried tombstones, keys of closed windows, ended
         suppressions): memory follows the queue, not the journal's size."""
@@ -385,7 +365,10 @@ class SpoolWriter:
                 self.journal.append(journal.encode(Buried(gone)))
 
     def close(self) -> None:
-        self._pool.shutdown()
+        """At stop every waiting file is written: a stopped spool has one per message."""
+        with contextlib.suppress(Exception):
+            self.file_due(time.monotonic(), everything=True)
+        self.filing.close()
         self.journal.close()
         self.events.close()
 
@@ -400,39 +383,44 @@ def _record(op: Op) -> Record | None:
     return op
 
 
-def _outcome(exc: OSError) -> str:
-    return (FULL if is_disk_full(exc) else ERROR) + str(exc)
-
-
 def serve(sock: socket.socket, writer: SpoolWriter) -> None:
     """Answer batches until the daemon closes its end."""
     decoder = msgspec.msgpack.Decoder(Batch)
     encoder = msgspec.msgpack.Encoder()
     buffer, chunk = bytearray(), memoryview(bytearray(1 << 20))  # (a new MiB a recv: churn)
     while True:
+        # Idle, the files that wait are written when due (answered with the next batch).
+        idle = writer.filing.next_due(time.monotonic())
+        if idle is not None and not select.select([sock], [], [], idle)[0]:
+            writer.file_due(time.monotonic())
+            continue
         size = sock.recv_into(chunk)
         if not size:
             return
         buffer += chunk[:size]
         for payload in split_frames(buffer):
-            outcomes = _answer(writer, decoder, payload)
-            result = BatchResult(outcomes, writer.events.last_seq)
+            ops, outcomes = _answer(writer, decoder, payload)
+            unfiled = writer.waiting_files(ops, outcomes)
+            result = BatchResult(outcomes, writer.events.last_seq, unfiled, writer.filed)
+            writer.filed = []
             sock.sendall(frame(encoder.encode(result)))
 
 
-def _answer(writer: SpoolWriter, decoder: msgspec.msgpack.Decoder, payload: bytes) -> list[str]:
-    """The outcomes of one batch. A bug fails its batch, it does not end the writer:
-    the daemon answers 451 for it and goes on with the next one."""
+def _answer(
+    writer: SpoolWriter, decoder: msgspec.msgpack.Decoder, payload: bytes
+) -> tuple[list[Op], list[str]]:
+    """A batch and its outcomes. A bug fails its batch, it does not end the writer: the
+    daemon answers 451 for it and goes on with the next one."""
     try:
         batch = decoder.decode(payload)
     except msgspec.DecodeError:
-        return []
+        return [], []
     ops = batch.ops
     try:
-        writer.add_keys(batch.keys)
-        return writer.commit(ops, batch.events)
+        writer.filing.add_keys(batch.keys)
+        return ops, writer.commit(ops, batch.events)
     except Exception as exc:
-        return [f"{ERROR}spool writer failed: {exc!r}"] * len(ops)
+        return ops, [f"{ERROR}spool writer failed: {exc!r}"] * len(ops)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--compact-size", type=int, required=True)
     parser.add_argument("--dedupe-window", type=float, required=True)
+    parser.add_argument("--file-after", type=float, default=0.0)
     args = parser.parse_args(argv)
     # The daemon ends us by closing the socket, after its last batch: a signal
     # meant for the daemon (Ctrl-C, a reload's SIGHUP, systemd's SIGTERM to the
@@ -451,7 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     heap.one_arena()  # before SpoolWriter starts its I/O threads
     sock = socket.socket(fileno=args.fd)
     writer = SpoolWriter(
-        Path(args.root), compact_size=args.compact_size, dedupe_window=args.dedupe_window
+        Path(args.root),
+        compact_size=args.compact_size,
+        dedupe_window=args.dedupe_window,
+        file_after=args.file_after,
     )
     sock.sendall(frame(b"ready"))
     try:

@@ -60,9 +60,9 @@ class SpoolSide(Protocol):
     events: dict[str, str] | None  # sent with each batch (writer.Batch)
     signing_keys: dict[str, bytes]  # DKIM key id -> PEM, each sent to a writer once
 
-    def batch_answered(self, answers: list[Answer], last_event: int) -> None:
-        """The writer answered a batch: each change with its outcome, and the seq of the
-        newest event in the event log."""
+    def batch_answered(self, answers: list[Answer], result: BatchResult) -> None:
+        """The writer answered a batch: each change with its outcome, and the result (the
+        seq of the newest event in the event log, the files that wait and those written)."""
 
     def change_failed(self, op: Op, future: asyncio.Future, error: Exception) -> None:
         """A change no batch answers: it cannot be encoded, or the spool closed first."""
@@ -289,7 +289,7 @@ class WriterLink:
         if len(outcomes) != len(batch):
             outcomes = [f"{ERROR}the spool writer could not read the batch"] * len(batch)
         answers = [(op, f, outcome) for (op, f), outcome in zip(batch, outcomes, strict=True)]
-        self._spool.batch_answered(answers, result.last_event)
+        self._spool.batch_answered(answers, result)
         self._send()
 
 
