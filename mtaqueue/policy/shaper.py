@@ -196,7 +196,7 @@ class DestinationShaper:
         `first_class` one) may take more work: while it would be admitted again, rates
         and the breaker aside. False after the limit dropped under the connections open
         (a throttle cut, backoff, an operator's limit): the caller closes this one."""
-        self._apply(now)
+        self._cap(now)  # (the rates do not matter here: the pump asks this per idle slot)
         if self.blocked_by is not None and self.breaker.state(now) == OPEN:
             return False  # our address refused: the connections open say nothing more
         return self._room(active - 1, reserved - first_class, first_class)
@@ -439,6 +439,15 @@ class DestinationShaper:
     def _apply(self, now: float) -> None:
         """Bring the ceiling and the rates in line with the override and the backoff stage
         at `now` (both change with time alone)."""
+        factor = self._cap(now)
+        rate = self.learner.limit(self._rate_ceiling())
+        if self.pace.rate:
+            rate = min(rate, self.pace.rate)
+        self._messages.set_rate(rate * factor, now)
+        self._connections.set_rate(self.pacing.connections_per_minute / 60 * factor, now)
+
+    def _cap(self, now: float) -> float:
+        """The concurrency ceiling brought in line (as `_apply`); the backoff's rate factor."""
         override = self._override
         if override is not None and override.until is not None and now >= override.until:
             self._override = override = None
@@ -449,11 +458,7 @@ class DestinationShaper:
             ceiling = override.concurrency  # the operator knows better than what was learned
         factor = self.backoff.rate_factor(now)
         self.concurrency.cap(max(1, math.floor(ceiling * factor)))
-        rate = self.learner.limit(self._rate_ceiling())
-        if self.pace.rate:
-            rate = min(rate, self.pace.rate)
-        self._messages.set_rate(rate * factor, now)
-        self._connections.set_rate(self.pacing.connections_per_minute / 60 * factor, now)
+        return factor
 
     def _rate_ceiling(self) -> float:
         """Messages a second the learned rate may not pass: an operator's, else the

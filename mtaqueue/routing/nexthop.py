@@ -48,8 +48,14 @@ def _own(domain: str, port: int) -> NextHop:
 
 
 def is_ip_address(host: str) -> bool:
+    return literal_address(host) is not None
+
+
+@functools.lru_cache(maxsize=1024)
+def literal_address(host: str) -> str | None:
+    """The address a host literal names, written canonically; None: a name. (Cached: a
+    relayhost's literal is looked at for every message.)"""
     try:
-        ipaddress.ip_address(host)
+        return str(ipaddress.ip_address(host))
     except ValueError:
-        return False
-    return True
+        return None

@@ -9,7 +9,6 @@ few seconds; concurrent lookups of one name share one query.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -23,7 +22,7 @@ import dns.resolver
 import msgspec
 
 from mtaqueue.routing.dnscache import DnsCache, Entry, Key
-from mtaqueue.routing.nexthop import NextHop, is_ip_address
+from mtaqueue.routing.nexthop import NextHop, is_ip_address, literal_address
 from mtaqueue.routing.sts import Applied
 
 NXDOMAIN = "NXDOMAIN"
@@ -79,8 +78,8 @@ class Resolver:
         self._in_flight: dict[Key, asyncio.Task[Entry]] = {}
 
     async def route(self, hop: NextHop) -> Route | RouteFailure:
-        if is_ip_address(hop.host):
-            address = str(ipaddress.ip_address(hop.host))
+        address = literal_address(hop.host)
+        if address is not None:
             return Route((MxHost(hop.host, 0, (address,)),), hop.port)
         try:
             dns.name.from_text(hop.host)

@@ -18,6 +18,7 @@ its slots) and `session_shed` (client, quiet seconds, for whom).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections import Counter
 from dataclasses import dataclass
@@ -131,8 +132,14 @@ class Slots:
 
 
 def in_networks(client: str, networks: tuple[Network, ...]) -> bool:
+    ip = _client_ip(client)
+    return ip is not None and any(ip in net for net in networks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _client_ip(client: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """A client's address parsed (cached: the same few clients connect all day)."""
     try:
-        ip = ipaddress.ip_address(client)
+        return ipaddress.ip_address(client)
     except ValueError:
-        return False
-    return any(ip in net for net in networks)
+        return None
