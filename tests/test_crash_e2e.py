@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import smtplib
 import struct
 import subprocess
@@ -20,7 +21,7 @@ from mtaqueue.ids import IdGenerator
 from mtaqueue.model import Message, Recipient
 from mtaqueue.spool import journal
 from mtaqueue.spool.layout import SpoolLayout
-from mtaqueue.spool.message_file import file_parts
+from mtaqueue.spool.message_file import file_parts, read_message_file
 
 CLIENTS = 8
 ROUNDS = 6
@@ -121,6 +122,28 @@ def test_kill_9_during_concurrent_submissions_loses_nothing(start_daemon):
     daemon.wait_event("spool_swept")
     files = {p.name for p in SpoolLayout(daemon.spool).messages.rglob("*") if p.is_file()}
     assert files == set(daemon.messages())
+
+
+def test_power_lost_while_files_wait_loses_nothing(start_daemon):
+    """Daemon and writer gone at once (no stop, no writer's last round): the mail whose
+    files waited (spool/filing.py) is in the journal alone; the next start writes those
+    files and queues every message, with its content, once."""
+    daemon = start_daemon("spool.file_after=60s", "delivery.enabled=false")
+    sent = {daemon.send("app@example.com", ["a@example.org"], body(f"p{n}")): f"p{n}"
+            for n in range(20)}  # fmt: skip
+    layout = SpoolLayout(daemon.spool)
+    assert not any(layout.message_path(queue_id).exists() for queue_id in sent)
+    writer = writer_pid(daemon)
+    os.kill(writer, signal.SIGSTOP)  # so that it cannot finish a round as its daemon dies
+    daemon.kill()
+    os.kill(writer, signal.SIGKILL)
+    wait_for(lambda: not alive(writer), what="the writer to die")
+    daemon.start()
+    daemon.wait_event("spool_swept")
+    assert {queue_id: marker for marker, (queue_id,) in markers_in_queue(daemon).items()} == sent
+    for queue_id, marker in sent.items():  # written by the new writer as it starts
+        assert read_message_file(layout.message_path(queue_id))[1].endswith(body(marker))
+    assert not [e for e in daemon.events if e.get("event") == "spool_damaged"]
 
 
 @pytest.fixture
