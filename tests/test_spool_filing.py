@@ -258,3 +258,24 @@ def test_a_restarted_daemon_finds_mail_whose_file_waited_when_it_crashed(tmp_pat
         assert await spool.close(5) is True
 
     asyncio.run(main())
+
+
+def test_a_file_whose_filed_record_fails_is_not_left_behind(layout, monkeypatch):
+    """A Delete of a message whose file waits names no tombstone: a file written for it
+    but never journaled as Filed must not stay, or the next start would re-adopt it."""
+    spool_writer = writer(layout, file_after=5.0)
+    record = message()
+    assert spool_writer.commit([Accept(record, CONTENT)]) == [OK]
+    real = spool_writer.journal.append
+
+    def fail(data) -> None:
+        raise OSError(5, "injected I/O error")
+
+    monkeypatch.setattr(spool_writer.journal, "append", fail)
+    spool_writer.file_due(time.monotonic() + 10)
+    assert not layout.message_path(record.id).exists()
+    assert record.id in spool_writer.state.unfiled and spool_writer.filed == []
+    monkeypatch.setattr(spool_writer.journal, "append", real)
+    spool_writer.file_due(time.monotonic() + 10)  # tried again: written and recorded
+    assert read_message_file(layout.message_path(record.id)) == (record, CONTENT)
+    assert spool_writer.filed == [record.id] and not replayed(layout).unfiled

@@ -257,15 +257,18 @@ class SpoolWriter:
         try:
             self.journal.append(journal.encode(Filed(written)))
         except Exception:
-            return  # still waiting, as far as a replay knows: written again later
+            # Still waiting, as far as a replay knows (written again later): a file left
+            # behind now would outlive its message's Delete, which needs no tombstone.
+            for queue_id in written:
+                with contextlib.suppress(OSError):
+                    self.layout.message_path(queue_id).unlink(missing_ok=True)
+            return
         self.state.apply(Filed(written))
         self.filing.filed(written)
         self.filed += written
 
     def _file_now(self, queue_id: str) -> str:
-        """An adopt's file: synced if it is there, written from the journal if it waits."""
-        if queue_id not in self.state.unfiled:
-            return self.filing.sync_file(queue_id)
+        """The file of an adopt that waits (journaled by a writer that died), written now."""
         self.file_due(time.monotonic(), everything=True)
         if queue_id in self.state.unfiled:
             return f"{ERROR}message file {queue_id} could not be written"
