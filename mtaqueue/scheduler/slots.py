@@ -129,13 +129,19 @@ class Admission:
             starved.pop(station.key, None)
         self.held_back.pop(station.key, None)
         # Idle connections no longer admitted close; a failed connect tries the next host.
+        # (Every idle slot of a class gets the same answer until one closes: asked once.)
+        keeps: dict[bool, bool] = {}
         for slot in list(station.slots.values()):
             if slot.state == IDLE:
-                active, reserved = station.counts()
-                if not shaper.keeps(now, active, reserved, slot.first_class):
+                if slot.first_class not in keeps:
+                    active, reserved = station.counts()
+                    keeps[slot.first_class] = shaper.keeps(now, active, reserved, slot.first_class)
+                if not keeps[slot.first_class]:
                     self.end(slot)
                     actions.append(Close(slot.id))
+                    keeps.clear()
             elif slot.state == WAITING:
+                keeps.clear()  # (it may end, or take a connection: ask again after it)
                 others, others_reserved = station.counts(leaving=slot)
                 wait = shaper.connect_wait(now, others, others_reserved, slot.first_class)
                 if wait == math.inf:
