@@ -227,6 +227,7 @@ def test_the_daemon_keeps_the_content_of_a_file_that_waits_until_it_is_written(t
         record = msgspec.structs.replace(message(), id=spool.ids.next(now), created=now)
         queue_id = await asyncio.wait_for(spool.accept(record, CONTENT), 10)
         assert spool.fresh.waits(queue_id)
+        assert len(spool.fresh) == 1  # kept and pinned: one message held
         spool.fresh.max_bytes = 24  # newer content pushes it out: the pin alone keeps it
         spool.fresh.keep("0" * 16, b"new")
         assert spool.fresh.bytes == 3

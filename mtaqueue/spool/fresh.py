@@ -30,7 +30,8 @@ class FreshContent:
         self.pinned_bytes = 0
 
     def __len__(self) -> int:
-        return len(self._content) + len(self._pinned)
+        """Messages whose content is held (one both kept and pinned counts once)."""
+        return len(self._content) + sum(q not in self._content for q in self._pinned)
 
     def pin(self, queue_id: str, content: bytes) -> None:
         if queue_id not in self._pinned:

@@ -10,7 +10,9 @@ writer syncs one round the next accumulates in the daemon (the group commit).
 
 Per round: message files are written, fsynced (from several threads at once: concurrent fsyncs
 share the file system's journal commits) and renamed into place; each touched directory is
-fsynced once; the journal records of the round are appended with one fdatasync. A message too
+fsynced once; the journal records of the round are appended with one fdatasync. A small
+accept's file waits instead (its content goes into the journal with it, filing.py): written
+only once it is due, after a round or while idle, and journaled then as Filed. A message too
 large to send over the socket comes as a `Place`: the daemon wrote its file as the data
 arrived, and the writer fsyncs it and renames it into place like the others.
 
@@ -241,7 +243,7 @@ class SpoolWriter:
         unfiled = self.state.unfiled
         return [
             op.message.id
-            for op, outcome in zip(ops, outcomes, strict=False)
+            for op, outcome in zip(ops, outcomes, strict=True)
             if type(op) is Accept and not outcome and op.message.id in unfiled
         ]
 
