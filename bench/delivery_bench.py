@@ -6,6 +6,11 @@ Each round: `smtp-source -s SESSIONS -m MESSAGES -l SIZE` submits to the MTA, wh
 everything to one `smtp-sink`; the clock runs from the first submission until the sink has
 counted every message and the MTA's queue is empty. Postfix (relayhost = the sink) and
 mtaqueue (delivery.relayhost = the sink) alternate, so both meet the same machine state.
+
+Where the time goes, each round (cpu_use.py): the machine's busy CPU a message and its idle
+share, and the CPU a message of smtp-sink, of smtp-source and, for mtaqueue, of its daemon
+and its spool writer (Postfix's processes come and go: theirs is the machine's less the
+tools'). A daemon whose CPU is near the round's seconds is bound by its one thread.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # postfix_instance
 from accept_bench import Mtaqueue, print_medians
-from common import load_parser, work_directory
+from common import load_parser, tree_pids, work_directory
+from cpu_use import CpuMeter
 from postfix_instance import PostfixInstance, SmtpSink, postfix_available, smtp_source
 
 SINK = "127.0.0.1:2700"
@@ -39,31 +45,39 @@ def run_timed(submit, drained, timeout: float = 600.0) -> float:
     return time.monotonic() - started
 
 
-def mtaqueue_round(args, workdir: Path, sink: SmtpSink) -> float:
+def mtaqueue_round(args, workdir: Path, sink: SmtpSink) -> tuple[float, str]:
     host, port = SINK.split(":")
     mq = Mtaqueue(workdir, MTAQUEUE_PORT, f"delivery.relayhost=[{host}]:{port}")
     mq.start()  # its probe message goes to the sink too
     base = sink.count()
+    assert mq.proc is not None and sink.pid is not None
+    writers = tree_pids(mq.proc.pid)[1:]
+    pids = {"daemon": mq.proc.pid, **({"writer": writers[0]} if writers else {})}
     try:
+        meter = CpuMeter({**pids, "smtp-sink": sink.pid})
         seconds = run_timed(
             lambda: smtp_source(
                 f"127.0.0.1:{MTAQUEUE_PORT}", args.sessions, args.messages, args.size
             ),
             lambda: sink.count() - base >= args.messages and mq.queued() == 0,
         )
+        use = meter.read()
     finally:
         mq.stop()
-    return args.messages / seconds
+    return args.messages / seconds, use.line(args.messages)
 
 
-def postfix_round(args, workdir: Path, sink: SmtpSink) -> float:
+def postfix_round(args, workdir: Path, sink: SmtpSink) -> tuple[float, str]:
     base = sink.count()
+    assert sink.pid is not None
     with PostfixInstance(workdir, listen=POSTFIX, mode="relay", relay=SINK) as pf:
+        meter = CpuMeter({"smtp-sink": sink.pid})
         seconds = run_timed(
             lambda: smtp_source(POSTFIX, args.sessions, args.messages, args.size),
             lambda: sink.count() - base >= args.messages and pf.queue_count() == 0,
         )
-    return args.messages / seconds
+        use = meter.read()
+    return args.messages / seconds, use.line(args.messages)
 
 
 def main() -> None:
@@ -72,10 +86,12 @@ def main() -> None:
     with work_directory("mtaqueue-bench-") as workdir, SmtpSink(SINK) as sink:
         for round_ in range(args.rounds):
             if postfix_available():
-                pf_rates.append(postfix_round(args, workdir / f"postfix{round_}", sink))
-                print(f"round {round_}: postfix  {pf_rates[-1]:7.0f} msgs/s", flush=True)
-            mq_rates.append(mtaqueue_round(args, workdir / f"mq{round_}", sink))
-            print(f"round {round_}: mtaqueue {mq_rates[-1]:7.0f} msgs/s", flush=True)
+                rate, cpu = postfix_round(args, workdir / f"postfix{round_}", sink)
+                pf_rates.append(rate)
+                print(f"round {round_}: postfix  {rate:7.0f} msgs/s; {cpu}", flush=True)
+            rate, cpu = mtaqueue_round(args, workdir / f"mq{round_}", sink)
+            mq_rates.append(rate)
+            print(f"round {round_}: mtaqueue {rate:7.0f} msgs/s; {cpu}", flush=True)
     print_medians(mq_rates, pf_rates, "msgs/s end to end")
 
 

@@ -247,6 +247,10 @@ class SmtpSink:
             raise
         return self
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
     def count(self) -> int:
         """Messages received so far (the last ``mesg=N`` of smtp-sink's counter)."""
         found = re.findall(r"mesg=(\d+)", tail(self._out, 400)) if self._out else []
