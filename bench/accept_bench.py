@@ -32,6 +32,7 @@ unreachable resolver): nothing is asked outside the machine.
 
 from __future__ import annotations
 
+import os
 import shutil
 import smtplib
 import socket
@@ -81,10 +82,14 @@ _BLACKHOLE: socket.socket | None = None
 
 class Mtaqueue:
     """The daemon as a subprocess on a given spool. Its DNS is `blackhole_dns()` unless the
-    overrides say otherwise."""
+    overrides say otherwise. It logs warnings and errors only, to nowhere, unless given a
+    `log_file`: then its shipped level (info: an event a message accepted and one a
+    delivery), to that file, as a Postfix instance logs each message to its maillog."""
 
-    def __init__(self, spool: Path, port: int, *overrides: str) -> None:
-        self.spool, self.port = spool, port
+    def __init__(
+        self, spool: Path, port: int, *overrides: str, log_file: Path | None = None
+    ) -> None:
+        self.spool, self.port, self.log_file = spool, port, log_file
         self.overrides = (f'dns.nameservers=["{blackhole_dns()}"]', *overrides)
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
@@ -96,17 +101,19 @@ class Mtaqueue:
 
     def launch(self) -> None:
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "mtaqueue.daemon",
-                "-o", f"spool.path={self.spool}",
-                "-o", f"listen.address=127.0.0.1:{self.port}",
-                "-o", "log.level=warning",
-                *(arg for item in self.overrides for arg in ("-o", item)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        quiet = [] if self.log_file else ["-o", "log.level=warning"]
+        with open(self.log_file or os.devnull, "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable, "-m", "mtaqueue.daemon",
+                    "-o", f"spool.path={self.spool}",
+                    "-o", f"listen.address=127.0.0.1:{self.port}",
+                    *quiet,
+                    *(arg for item in self.overrides for arg in ("-o", item)),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )  # fmt: skip
 
     def wait_accepting(self, timeout: float = 600) -> float:
         """Seconds from launch() until a probe message got its 250."""

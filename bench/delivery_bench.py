@@ -11,6 +11,9 @@ Where the time goes, each round (cpu_use.py): the machine's busy CPU a message a
 share, and the CPU a message of smtp-sink, of smtp-source and, for mtaqueue, of its daemon
 and its spool writer (Postfix's processes come and go: theirs is the machine's less the
 tools'). A daemon whose CPU is near the round's seconds is bound by its one thread.
+
+Both log every message, as shipped: Postfix to its maillog, mtaqueue at its shipped level
+(info) to a file beside its spool.
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ def run_timed(submit, drained, timeout: float = 600.0) -> float:
 
 def mtaqueue_round(args, workdir: Path, sink: SmtpSink) -> tuple[float, str]:
     host, port = SINK.split(":")
-    mq = Mtaqueue(workdir, MTAQUEUE_PORT, f"delivery.relayhost=[{host}]:{port}")
+    # Its shipped log level, to a file: Postfix logs each message to its maillog too.
+    log_file = workdir.parent / f"{workdir.name}.log"
+    mq = Mtaqueue(workdir, MTAQUEUE_PORT, f"delivery.relayhost=[{host}]:{port}", log_file=log_file)
     mq.start()  # its probe message goes to the sink too
     base = sink.count()
     assert mq.proc is not None and sink.pid is not None
