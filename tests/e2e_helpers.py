@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dns_server import DnsServer
@@ -55,14 +55,22 @@ def events(daemon, name: str) -> list[dict]:
 class MailNet:
     """A test DNS server and SMTP peers on loopback addresses, all on one port.
 
-    `peers` are in the order of the addresses given; `peer_options` go to every peer.
+    `peers` are in the order of the addresses given; `peer_options` go to every peer, and
+    `per_host[address]` to that one's (a peer with another TLS context, say).
     Use as a context manager, or call close(): it stops the peers, then the DNS server.
     """
 
-    def __init__(self, addresses: Sequence[str], **peer_options: Any) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        per_host: Mapping[str, dict[str, Any]] | None = None,
+        **peer_options: Any,
+    ) -> None:
         self.dns = DnsServer().start()
         try:
-            self.peers: list[SmtpPeer] = peers_on_one_port(list(addresses), **peer_options)
+            self.peers: list[SmtpPeer] = peers_on_one_port(
+                list(addresses), per_host, **peer_options
+            )
         except BaseException:
             self.dns.stop()
             raise

@@ -65,7 +65,7 @@ import subprocess
 import threading
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -1073,20 +1073,24 @@ class SmtpPeer:
         return f"450 4.2.0 Greylisted, try again in {max(1, math.ceil(remaining))} seconds"
 
 
-def peers_on_one_port(hosts: list[str], **kw: Any) -> list[SmtpPeer]:
-    """Start one peer per host, all on the same port (the first picks an ephemeral port).
+def peers_on_one_port(
+    hosts: list[str], per_host: Mapping[str, dict[str, Any]] | None = None, **kw: Any
+) -> list[SmtpPeer]:
+    """Start one peer per host, all on the same port (the first picks an ephemeral port);
+    `kw` go to every peer, `per_host[host]` to that one's (over `kw`).
 
     Retries with another port when one of the other addresses already has it in use.
     """
     if "port" in kw:
         raise TypeError("peers_on_one_port chooses the port")
+    options = {host: {**kw, **(per_host or {}).get(host, {})} for host in hosts}
     last_error: OSError | None = None
     for _ in range(20):
-        first = SmtpPeer(hosts[0], 0, **kw).start()
+        first = SmtpPeer(hosts[0], 0, **options[hosts[0]]).start()
         peers = [first]
         try:
             for host in hosts[1:]:
-                peers.append(SmtpPeer(host, first.port, **kw).start())
+                peers.append(SmtpPeer(host, first.port, **options[host]).start())
         except OSError as error:
             for peer in peers:
                 peer.stop()

@@ -13,7 +13,7 @@ import time
 import pytest
 from e2e_helpers import BODY, FAST, MailNet, events, wait_for
 from policy_server import PolicyServer, TestCa, policy_text
-from smtp_peer import SmtpPeer, self_signed_context
+from smtp_peer import self_signed_context
 
 GOOD, PLAIN, SELF_SIGNED = "127.0.0.2", "127.0.0.4", "127.0.0.5"
 DNS_TTL_FLOOR = 5.5  # seconds: the daemon caches any answer at least 5 s (dnscache.py)
@@ -24,13 +24,17 @@ GOOD_NAMES = ("mx.example.org", "mx.example.info", "other.example.org")
 class World(MailNet):
     def __init__(self, start_daemon, tmp_path) -> None:
         self.ca = TestCa(tmp_path / "ca")
-        super().__init__([GOOD], starttls=self.ca.server_context(*GOOD_NAMES))
-        (self.good,) = self.peers
-        port = self.good.port
-        self.plain = SmtpPeer(PLAIN, port).start()
-        self.bad = SmtpPeer(
-            SELF_SIGNED, port, starttls=self_signed_context(tmp_path, "mx.x")
-        ).start()
+        # One port on all three addresses, chosen with retries (another test's socket may
+        # hold the first peer's port on the others' addresses).
+        super().__init__(
+            [GOOD, PLAIN, SELF_SIGNED],
+            per_host={
+                PLAIN: {"starttls": None},
+                SELF_SIGNED: {"starttls": self_signed_context(tmp_path, "mx.x")},
+            },
+            starttls=self.ca.server_context(*GOOD_NAMES),
+        )
+        self.good, self.plain, self.bad = self.peers
         self.policy = PolicyServer(
             "127.0.0.3", self.ca.server_context(*(f"mta-sts.{d}" for d in DOMAINS))
         )
@@ -63,8 +67,6 @@ class World(MailNet):
 
     def close(self) -> None:
         self.policy.stop()
-        self.plain.stop()
-        self.bad.stop()
         super().close()
 
 
