@@ -3,12 +3,12 @@
     meter = CpuMeter({"daemon": pid, "writer": pid2})   # a snapshot, now
     use = meter.read()                                  # CpuUse since the snapshot
     use.line(messages) -> str                           # CPU a message, for the round's print
+    cpu_seconds(pid) -> float | None                    # a process's CPU so far (None: gone)
 
 The machine's busy CPU (user, system, interrupts, steal) and idle share come from
 /proc/stat; a process's own CPU (user and system) from /proc/PID/stat; the CPU of this
 process's children that ended meanwhile (smtp-source, run to completion in a round) from
-getrusage. A process the meter cannot read (gone) counts as what it had used when last
-read, so a round's figure never goes negative.
+getrusage. A process gone by the read counts 0.
 """
 
 from __future__ import annotations
@@ -49,19 +49,19 @@ class CpuMeter:
         self.pids = pids
         self._start = time.monotonic()
         self._machine = _machine()
-        self._last = {name: _process(pid) for name, pid in pids.items()}
-        self._first = dict(self._last)
+        self._first = {name: cpu_seconds(pid) or 0.0 for name, pid in pids.items()}
         self._children = _children()
 
     def read(self) -> CpuUse:
         busy, idle = (b - a for a, b in zip(self._machine, _machine(), strict=True))
-        for name, pid in self.pids.items():
-            self._last[name] = max(self._last[name], _process(pid))
+        now = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
         return CpuUse(
             seconds=time.monotonic() - self._start,
             busy=busy,
             idle=idle,
-            processes={name: self._last[name] - self._first[name] for name in self.pids},
+            processes={
+                name: 0.0 if cpu is None else cpu - self._first[name] for name, cpu in now.items()
+            },
             children=_children() - self._children,
         )
 
@@ -74,12 +74,14 @@ def _machine() -> tuple[float, float]:
     return (user + nice + system + irq + softirq + steal) / TICK, (idle + iowait) / TICK
 
 
-def _process(pid: int) -> float:
-    """A live process's own CPU-s (0.0 if it cannot be read)."""
+def cpu_seconds(pid: int | None) -> float | None:
+    """A process's own CPU-s (user and system) so far; None if there is none to read."""
+    if pid is None:
+        return None
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return 0.0
+        return None
     fields = stat.rpartition(")")[2].split()  # after "(comm)", which may hold spaces
     return (int(fields[11]) + int(fields[12])) / TICK
 

@@ -83,6 +83,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO / "tests"))  # dns_server.DnsServer: a real DNS server on loopback
 
 from common import free_port, port_in_use, stop_process, work_directory  # noqa: E402
+from cpu_use import cpu_seconds  # noqa: E402
 from postfix_instance import PostfixInstance, postfix_available  # noqa: E402
 from synthetic_peer import SyntheticPeer  # noqa: E402
 
@@ -515,17 +516,6 @@ def wait_outage(first_submit: float, s: Scenario) -> None:
     left = first_submit + s.outage * s.scale - time.time()
     if left > 0:
         time.sleep(left)
-
-
-def cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU time of a process (from /proc), or None."""
-    if pid is None:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def io_stall_total() -> float | None:
