@@ -21,9 +21,10 @@ Each reply is read for its own command (exchange.judge). A server that answers o
 step (a reply that fits no command of ours there, one too many, replies that stop coming
 in the middle of a group) is closed at once and marked (`out_of_step`): the caller then
 speaks to that host in lock-step (`lockstep`). With DATA the 354 is a reply no other
-command gets, so a reply shifted onto the wrong command always shows before the content
-goes; in a BDAT group every reply may be a 250, and a server that answers one command
-twice and BDAT not at all cannot be told from one in step (no client can).
+command should get, so a reply shifted onto the wrong command shows before the content
+goes — unless the server also answered a recipient with 354 and DATA not at all; in a BDAT
+group every reply may be a 250, and a server that answers one command twice and BDAT not
+at all cannot be told from one in step either (no client can).
 
 Replies are timed for the destination's latency (policy/latency.py), each from the write
 that asked for it: a group's first reply ("mail": a round trip and the server's work), each
