@@ -21,7 +21,8 @@
    message (the probe's own recipient is refused there, so that is a queued one), and its
    memory and the messages delivered 30 s after the start; and the
    shipped config (delivery on, the next hops from DNS), timed to accepting.
-3. Memory: resident memory (VmRSS) of the daemon and of its spool writer once settled
+3. Memory: resident memory (VmRSS) of the daemon and of its children (the spool writer
+   and the SMTP listener's process) once settled
    after the restart, the peak of the two over all the starts, bytes per queued message
    over an empty spool's, and the growth per message from the previous size. One table,
    one column per size. A watchdog kills a daemon whose tree passes `--rss-limit-mb`.
@@ -270,7 +271,8 @@ def rss_kib(pid: int) -> tuple[int, int]:
 
 
 class Watch:
-    """Samples the resident memory of the daemon and of its children (the spool writer)
+    """Samples the resident memory of the daemon and of its children (the spool writer, the
+    SMTP listener's process)
     every 0.25 s in a thread, keeps the peaks, and kills the daemon when the two together
     pass `limit_kib` (a run that would take the shared machine's memory)."""
 
@@ -284,7 +286,7 @@ class Watch:
         self._thread.start()
 
     def sample(self) -> tuple[int, int]:
-        """(daemon, writer) RSS now, KiB."""
+        """(daemon, its children) RSS now, KiB."""
         daemon = rss_kib(self.pid)[0]
         writer = sum(rss_kib(pid)[0] for pid in tree_pids(self.pid)[1:])
         return daemon, writer
@@ -423,7 +425,7 @@ def startup_and_memory(args, workdir: Path) -> None:
     empty.stop()
     print(
         f"empty spool: first 250 after {empty_start:.2f} s; RSS daemon {base_daemon} KiB, "
-        f"writer {base_writer} KiB",
+        f"children {base_writer} KiB",
         flush=True,
     )
     rows = []
@@ -461,14 +463,14 @@ def startup_table(rows: list[Startup], base_kib: int) -> str:
         ("start -> first delivery (local sink), s", lambda r, i: secs(r.first_delivery_s)),
         ("start -> accepting, shipped config (DNS unanswered), s", lambda r, i: secs(r.shipped_s)),
         (
-            f"RSS daemon + writer {DELIVERING_AT:.0f} s after the start, delivering, MiB",
+            f"RSS daemon + children {DELIVERING_AT:.0f} s after the start, delivering, MiB",
             lambda r, i: mib(r.delivering_kib),
         ),
         (f"messages delivered in those {DELIVERING_AT:.0f} s", lambda r, i: f"{r.delivered:,}"),
         ("RSS daemon, MiB (restart, settled)", lambda r, i: mib(r.daemon_kib)),
-        ("RSS writer, MiB", lambda r, i: mib(r.writer_kib)),
-        ("RSS daemon + writer, MiB", lambda r, i: mib(r.total_kib)),
-        ("peak daemon + writer over the starts, MiB", lambda r, i: mib(r.peak_kib)),
+        ("RSS children (writer, listener), MiB", lambda r, i: mib(r.writer_kib)),
+        ("RSS daemon + children, MiB", lambda r, i: mib(r.total_kib)),
+        ("peak daemon + children over the starts, MiB", lambda r, i: mib(r.peak_kib)),
         ("bytes per queued message (over the empty spool)", lambda r, i: per_message(r)),
         ("growth per message from the previous size, bytes", lambda r, i: growth(i)),
         ("failed", lambda r, i: r.failed or "-"),

@@ -67,6 +67,21 @@ def tree_pids(root: int) -> list[int]:
     return pids
 
 
+MTAQUEUE_CHILDREN = {"writer": b"mtaqueue.spool.writer", "listener": b"mtaqueue.listener_main"}
+
+
+def mtaqueue_children(daemon: int) -> dict[str, int]:
+    """The daemon's child processes by role ("writer", "listener"), from their command lines."""
+    found = {}
+    for pid in tree_pids(daemon)[1:]:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        found |= {role: pid for role, module in MTAQUEUE_CHILDREN.items() if module in cmdline}
+    return found
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on now. Benchmarks of other work may run on the same
     machine at the same time: a fixed port could be theirs (and their mail ours)."""

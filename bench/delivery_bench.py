@@ -8,9 +8,10 @@ counted every message and the MTA's queue is empty. Postfix (relayhost = the sin
 mtaqueue (delivery.relayhost = the sink) alternate, so both meet the same machine state.
 
 Where the time goes, each round (cpu_use.py): the machine's busy CPU a message and its idle
-share, and the CPU a message of smtp-sink, of smtp-source and, for mtaqueue, of its daemon
-and its spool writer (Postfix's processes come and go: theirs is the machine's less the
-tools'). A daemon whose CPU is near the round's seconds is bound by its one thread.
+share, and the CPU a message of smtp-sink, of smtp-source and, for mtaqueue, of its daemon,
+its listener's process and its spool writer (Postfix's processes come and go: theirs is the
+machine's less the tools'). A process whose CPU is near the round's seconds is bound by its
+one thread.
 
 Both log every message, as shipped: Postfix to its maillog, mtaqueue at its shipped level
 (info) to a file beside its spool.
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # postfix_instance
 from accept_bench import Mtaqueue, print_medians
-from common import load_parser, tree_pids, work_directory
+from common import load_parser, mtaqueue_children, work_directory
 from cpu_use import CpuMeter
 from postfix_instance import PostfixInstance, SmtpSink, postfix_available, smtp_source
 
@@ -56,8 +57,7 @@ def mtaqueue_round(args, workdir: Path, sink: SmtpSink) -> tuple[float, str]:
     mq.start()  # its probe message goes to the sink too
     base = sink.count()
     assert mq.proc is not None and sink.pid is not None
-    writers = tree_pids(mq.proc.pid)[1:]
-    pids = {"daemon": mq.proc.pid, **({"writer": writers[0]} if writers else {})}
+    pids = {"daemon": mq.proc.pid, **mtaqueue_children(mq.proc.pid)}
     try:
         meter = CpuMeter({**pids, "smtp-sink": sink.pid})
         seconds = run_timed(

@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 
 import uvloop
@@ -44,6 +44,7 @@ from .events import derive
 from .events.dispatch import Dispatcher
 from .http_server import HttpServer
 from .intake_settings import api_tokens, credentials, listener_settings, tls_context
+from .listener_process import ListenerProcess
 from .logs import configure_logging, get_logger
 from .metrics import Metrics, Sources
 from .metrics import serve as serve_metrics
@@ -51,11 +52,11 @@ from .routing.resolver import Resolver
 from .sdnotify import Notifier
 from .smtp.addresses import qualified_hostname
 from .smtp.auth import hash_password
-from .smtp.listener import Listener
 from .spool import event_log
 from .spool.errors import SpoolLocked, StorageError
 from .spool.store import Spool
 from .spool_upkeep import SpoolUpkeep
+from .submission import suppression_refusal
 
 log = get_logger("daemon")
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.config or config.default_path()
     try:
         cfg = config.load(path, args.overrides)
-        daemon = Daemon(cfg, lambda: config.load(path, args.overrides), path)
+        daemon = Daemon(cfg, lambda: config.load(path, args.overrides), path, args.overrides)
     except config.ConfigError as exc:
         print(f"mtaqueue: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -106,17 +107,23 @@ def main(argv: list[str] | None = None) -> int:
 
 class Daemon:
     def __init__(
-        self, cfg: config.Config, reload: Callable[[], config.Config], path: str | None = None
+        self,
+        cfg: config.Config,
+        reload: Callable[[], config.Config],
+        path: str | None = None,
+        overrides: Sequence[str] = (),
     ) -> None:
         self.cfg = cfg
         self._load = reload  # reads the config again (SIGHUP)
         self.config_path = path  # None: the built-in defaults
+        self.overrides = list(overrides)  # the listener's process reads the config as we did
         self.hostname = cfg.listen.hostname or socket.getfqdn()
         # Everything that can fail on bad settings is built here, before any I/O.
         self.listener_settings = listener_settings(cfg, self.hostname)
-        self.listener: Listener | None = None  # bound by run()
-        self.tls = tls_context(cfg)
-        self.credentials = credentials(cfg)
+        self.listener: ListenerProcess | None = None  # started by run()
+        # Checked here, before any I/O; the listener's process builds its own from the file.
+        tls_context(cfg)
+        credentials(cfg)
         self.api_tokens, self.api_token_warnings = api_tokens(cfg)
         # The key files are read here, and again at each SIGHUP (new keys then).
         self.signing = SigningService(Signer(load_keys(cfg.dkim)))
@@ -169,15 +176,18 @@ class Daemon:
         self.api: Api | None = None  # while the API is served
 
     def _suppressed(self, address: str) -> str | None:
-        """The RCPT TO refusal for a suppressed address (the listener's check)."""
+        """The RCPT TO refusal for a suppressed address (the API's check; the listener's
+        process checks its copy of the list)."""
         now = time.time()
         entry = self.spool.suppression(address, now)
         if entry is None:
             return None
-        self.spool.emit([derive.suppressed(address, f"refused at RCPT: {entry.reason}", now)])
-        until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(entry.until))
-        reason = " ".join(entry.reason.split())[:200]
-        return f"550 5.1.1 <{address}>: suppressed until {until} ({reason})"
+        self._rcpt_refused(address, entry.reason, now)
+        return suppression_refusal(address, entry.until, entry.reason)
+
+    def _rcpt_refused(self, address: str, reason: str, now: float) -> None:
+        """A suppressed address refused at RCPT (here, or in the listener's process)."""
+        self.spool.emit([derive.suppressed(address, f"refused at RCPT: {reason}", now)])
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -197,13 +207,8 @@ class Daemon:
             seconds=round(report.seconds, 3),
         )
         self.spool.last_event = event_log.last_seq(self.spool.layout.events)
-        listener = Listener(
-            self.listener_settings,
-            self.spool,
-            self.signing,
-            tls=self.tls,
-            credentials=self.credentials,
-            rcpt_check=self._suppressed,
+        listener = ListenerProcess(
+            self.spool, self.signing, self._rcpt_refused, self._listener_args()
         )
         commands = queue_commands(lambda: self.spool.messages, self.info, self.delivery.waiting_for)
         commands |= suppression_commands(self.spool, self.cfg.suppression.ttl)
@@ -218,7 +223,6 @@ class Daemon:
         metrics_server = api_server = None
         try:
             self._configure_events(self.cfg)
-            await listener.start()
             await control.start()
             metrics_server = await self._serve_metrics()
             api_server = await self._serve_api()
@@ -226,6 +230,7 @@ class Daemon:
                 delivery.start()
             else:
                 log.warning("delivery_disabled")
+            await listener.start()  # last: mail it takes is due at once
         except (OSError, RuntimeError, StorageError) as exc:
             log.error("startup_failed", error=str(exc))
             await listener.close(0)
@@ -278,7 +283,7 @@ class Daemon:
             await metrics_server.close()
         await control.close()
         clean = await self.spool.close(max(deadline - time.monotonic(), 1.0))
-        log.info("stopped", accepted=listener.accepted)
+        log.info("stopped", accepted=listener.total_accepted())
         return 0 if clean else EXIT_RUNTIME
 
     def reload(self) -> None:
@@ -312,8 +317,6 @@ class Daemon:
                 log.warning("reload_needs_restart", key=key)
         self.signing.reconfigure(signer)
         self.listener_settings = settings  # the API's, at its next request
-        if hasattr(self, "listener"):
-            self.listener.reconfigure(settings)
         if self.api is not None and tokens is not None:
             self.api.tokens = tokens
             self._warn_about_tokens(tokens, token_warnings)
@@ -322,7 +325,10 @@ class Daemon:
         self.cfg = new
         self._warn_if_reports_unsigned()
         configure_logging(new.log.level, new.log.format)
-        log.info("reloaded")
+        if self.listener is not None:  # "reloaded" once the listener's process has it too
+            self.listener.reload(lambda: log.info("reloaded"))
+        else:
+            log.info("reloaded")
 
     def _configure_events(self, cfg: config.Config) -> None:
         """Make events only while a webhook wants them (raises OSError: a secret_file)."""
@@ -389,7 +395,19 @@ class Daemon:
         pids = {"daemon": os.getpid()}
         if self.spool.writer_pid is not None:
             pids["writer"] = self.spool.writer_pid
+        if self.listener is not None and self.listener.pid is not None:
+            pids["listener"] = self.listener.pid
         return pids
+
+    def _listener_args(self) -> list[str]:
+        args = ["--hostname", self.hostname]
+        if self.config_path is not None:
+            args += ["--config", self.config_path]
+        if self.spool.messages:
+            args += ["--last-id", max(self.spool.messages)]
+        for item in self.overrides:
+            args += ["-o", item]
+        return args
 
     def _memory_sizes(self) -> dict[str, int]:
         """Entries of the in-memory maps that could grow (mtaqueue_memory_entries)."""
@@ -398,7 +416,7 @@ class Daemon:
             **self.delivery.memory_sizes(),
             "dns_cache": len(self.resolver.cache),
             "alert_histories": self.alerts.size(),
-            "listener_sessions": len(self.listener.connections) if self.listener else 0,
+            "listener_sessions": self.listener.sessions if self.listener else 0,
         }
 
     async def _evaluate_alerts(self) -> None:
@@ -424,7 +442,7 @@ class Daemon:
             "config": self.config_path or "built-in defaults",
             "uptime": round(time.time() - self.started, 1),
             "listen": listener.addresses if listener else [],
-            "connections": len(listener.connections) if listener else 0,
+            "connections": listener.sessions if listener else 0,
             "spool_free_bytes": self.spool.free_bytes,
             "accepting": self.spool.storage_ok,
             "journal_bytes": self.spool.journal_bytes(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from email.utils import formatdate
@@ -145,6 +146,13 @@ def accepted_fields(message: Message, client: str) -> dict[str, object]:
         "client": client,
         "tenant": message.tenant,
     }
+
+
+def suppression_refusal(address: str, until: float, reason: str) -> str:
+    """The RCPT TO refusal for a suppressed address, whichever way it came."""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(until))
+    reason = " ".join(reason.split())[:200]
+    return f"550 5.1.1 <{address}>: suppressed until {when} ({reason})"
 
 
 def parse_expiry(value: str, now: float) -> float:

@@ -1,5 +1,7 @@
 """The submission listener: sockets, timers and limits around `ServerSession`.
 
+It runs in the listener's process (listener_main.py); its `spool` is the daemon's, over a
+socketpair (`SpoolClient`), and `on_change` tells the daemon its sessions and counts.
 A plain asyncio Protocol (no StreamReader): each read goes straight into the
 session, replies go straight out. Commits go to the spool as futures with a
 done-callback, so accepting a message costs no task and no thread hop of its own.
@@ -24,8 +26,6 @@ from ..dkim.signature import PendingSignature
 from ..logs import get_logger
 from ..model import Message
 from ..spool.errors import StorageFull
-from ..spool.incoming import IncomingMessage
-from ..spool.store import Spool
 from ..submission import (
     Received,
     Refused,
@@ -40,6 +40,7 @@ from .admission import Limits, Slots, in_networks
 from .auth import Credentials
 from .server_session import ServerSession
 from .session_settings import SessionSettings
+from .spool_client import RemoteIncoming, SpoolClient
 
 log = get_logger("listener")
 
@@ -68,15 +69,17 @@ class Listener:
     def __init__(
         self,
         settings: ListenerSettings,
-        spool: Spool,
+        spool: SpoolClient,
         signing: SigningService,
         *,
         tls: ssl.SSLContext | None = None,
         credentials: Credentials | None = None,
         rcpt_check: Callable[[str], str | None] | None = None,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.settings = settings
         self.rcpt_check = rcpt_check
+        self.on_change = on_change  # sessions, stress, sheds or the accepted count changed
         self.spool = spool
         self.signing = signing
         self.tls = tls
@@ -147,6 +150,7 @@ class Listener:
             for conn in list(self.connections):
                 conn.check_deadline(now)
             self.slots.check(now)
+            self.on_change()
 
 
 def _limits(settings: ListenerSettings) -> Limits:
@@ -171,7 +175,7 @@ class SubmissionProtocol(asyncio.Protocol):
         self.progress = time.monotonic()  # the last completed command, or DATA bytes
         self._waiting = False
         self._waited_from = 0.0  # monotonic: when the pending action began
-        self._incoming: IncomingMessage | None = None  # the streamed message being written
+        self._incoming: RemoteIncoming | None = None  # the streamed message being written
         self._write_paused = False  # our replies pile up: the client does not read them
         self._reading = True
         self._starting_tls = False
@@ -188,6 +192,7 @@ class SubmissionProtocol(asyncio.Protocol):
         settings = listener.settings
         now = time.monotonic()
         refusal = listener.slots.admit(self, now)
+        listener.on_change()
         if refusal is not None:
             self._refuse(refusal)
             return
@@ -205,6 +210,7 @@ class SubmissionProtocol(asyncio.Protocol):
             self._incoming.discard()
             self._incoming = None
         self.listener.slots.release(self, time.monotonic())
+        self.listener.on_change()
         self.transport = None
 
     def data_received(self, data: bytes) -> None:
@@ -333,9 +339,8 @@ class SubmissionProtocol(asyncio.Protocol):
             log.info("refused", client=self.client, sender=stream.envelope.sender, reply=str(exc))
             self._resume(str(exc))  # the session reads the rest and answers this
             return
-        # Signed as its content is written: the header is stored before the body is known.
-        signer = self.listener.signing.signer.stream(header, now)
-        self._incoming = spool.incoming(message, signer)
+        # Signed (by the daemon) as its content is written: the header goes before the body.
+        self._incoming = spool.incoming(message, header, now)
         self._stored(self._incoming.write(header, stream.data))
 
     def _stored(self, future: asyncio.Future) -> None:
@@ -366,6 +371,7 @@ class SubmissionProtocol(asyncio.Protocol):
         if exc is None:
             queue_id = future.result()
             self.listener.accepted += 1
+            self.listener.on_change()
             if queue_id == message.id:
                 log.info("accepted", **accepted_fields(message, self.client))
             else:

@@ -84,6 +84,10 @@ class Spool:
         self.free_bytes = 0
         self.disk_ok = True  # above spool.min_free
         self.on_commit: Callable[[Message], None] | None = None
+        # A suppression added or lifted; `refusal` may have changed (the listener's process
+        # keeps a copy of both).
+        self.on_suppression: Callable[[Suppress | Unsuppress], None] | None = None
+        self.on_refusal: Callable[[], None] | None = None
         # Events: None = none are made; else each class's expiry action (writer.Batch).
         self.events: dict[str, str] | None = None
         self.last_event = 0  # seq of the newest event in the event log
@@ -339,7 +343,14 @@ class Spool:
     def refresh_free_space(self) -> None:
         st = os.statvfs(self.layout.root)
         self.free_bytes = st.f_bavail * st.f_frsize
-        self.disk_ok = self.free_bytes > self._min_free(st.f_blocks * st.f_frsize)
+        disk_ok = self.free_bytes > self._min_free(st.f_blocks * st.f_frsize)
+        if disk_ok != self.disk_ok:
+            self.disk_ok = disk_ok
+            self.writer_changed()
+
+    def writer_changed(self) -> None:
+        if self.on_refusal is not None:
+            self.on_refusal()
 
     async def committed(self) -> None:
         """Until every change asked for so far is answered by the writer (durable, or
@@ -388,11 +399,13 @@ class Spool:
         self._forget_pending_key(op, future)
         if isinstance(op, Remove):
             result = op.id
-        elif isinstance(op, Suppress):
-            self.suppressed[op.address] = op
-            result = op.address
-        elif isinstance(op, Unsuppress):
-            self.suppressed.pop(op.address, None)
+        elif isinstance(op, Suppress | Unsuppress):
+            if isinstance(op, Suppress):
+                self.suppressed[op.address] = op
+            else:
+                self.suppressed.pop(op.address, None)
+            if self.on_suppression is not None:
+                self.on_suppression(op)
             result = op.address
         elif isinstance(op, Emit):
             result = None

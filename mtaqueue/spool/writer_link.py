@@ -67,6 +67,9 @@ class SpoolSide(Protocol):
     def change_failed(self, op: Op, future: asyncio.Future, error: Exception) -> None:
         """A change no batch answers: it cannot be encoded, or the spool closed first."""
 
+    def writer_changed(self) -> None:
+        """A writer became ready, or the one that was is gone (`up` changed)."""
+
 
 class WriterLink:
     def __init__(self, spool: SpoolSide, args: list[str]) -> None:
@@ -125,12 +128,14 @@ class WriterLink:
         self._pipe, self._process = pipe, process
         self._writer_since = time.monotonic()
         self._down_since = None
+        self._spool.writer_changed()
 
     def _lost(self, pipe: _Pipe) -> None:
         if pipe is not self._pipe:
             return  # one that failed to start, or the one close() ended
         self._pipe = None
         self._down_since = time.monotonic()
+        self._spool.writer_changed()
         self._restarting = asyncio.ensure_future(self._restart())
 
     async def _restart(self) -> None:

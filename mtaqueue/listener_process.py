@@ -1,0 +1,254 @@
+"""The SMTP listener in a process of its own; the daemon's end of it.
+
+    listener = ListenerProcess(spool, signing, on_rcpt_refused, args)
+    await listener.start()           # RuntimeError(why) if it cannot listen
+    listener.addresses / .accepted / .sessions / .state()   # for ready, status, metrics
+    listener.reload(done)            # after the daemon's own reload succeeded; done() once
+                                     # the process has read the config too
+    await listener.close(grace)      # stop listening, sessions finish within grace
+
+Postfix's smtpd is not its queue manager, and ours is not either: a session's commands,
+replies and content cost several system calls and some Python each, and in the daemon's
+one thread they took a quarter of what a message costs it. The listener's process
+(listener_main.py) speaks SMTP to the clients and hands each message here whole
+(`Commit`), or piece by piece when it is too large to hold; the spool stays the daemon's
+alone — ids come from a lane of their own (ids.py), the suppression list is copied over
+and kept current, the spool's storage refusal is told as it changes (Spool.on_refusal).
+
+A listener's process that dies is started again (a second later, then up to a minute
+apart while it keeps dying); sessions it had open are gone, and a message whose 250 was
+not sent is the client's to send again, as with any connection lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import msgspec
+
+from .child_process import ChildLink, abandon, start_child
+from .dkim.service import SigningService
+from .framing import frame
+from .logs import get_logger
+from .smtp import handover as h
+from .spool.errors import StorageFull
+from .spool.incoming import IncomingMessage
+from .spool.records import Suppress, Unsuppress
+from .spool.store import Spool
+
+log = get_logger("daemon")
+
+START_TIMEOUT = 30.0  # seconds for the process to listen
+RESTART_DELAYS = (1.0, 5.0, 15.0, 60.0)  # after each death in a row
+
+
+class ListenerProcess:
+    def __init__(
+        self,
+        spool: Spool,
+        signing: SigningService,
+        on_rcpt_refused: Callable[[str, str, float], None],
+        args: list[str],
+    ) -> None:
+        self.spool = spool
+        self.signing = signing
+        self.on_rcpt_refused = on_rcpt_refused
+        self.args = args  # for listener_main: the config file and overrides, the hostname
+        self.addresses: list[str] = []
+        self.accepted = 0  # by the processes before the current one
+        self._state = h.State(0, 0, 0, 0)
+        self._link: _Link | None = None
+        self._process: asyncio.subprocess.Process | None = None
+        self._closing = False
+        self._deaths = 0
+        self._reloads: list[Callable[[], None]] = []  # waiting for the process's Reloaded
+        self._told_refusal: str | None = None
+        spool.on_suppression = self._suppression_changed
+        spool.on_refusal = self._refusal_changed
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None and self._link else None
+
+    @property
+    def sessions(self) -> int:
+        return self._state.sessions
+
+    def state(self) -> dict[str, int]:
+        """For the metrics: sessions open, whether under stress, sessions shed so far."""
+        return {
+            "sessions": self._state.sessions,
+            "stress": self._state.stress,
+            "shed": self._state.shed,
+        }
+
+    def total_accepted(self) -> int:
+        return self.accepted + self._state.accepted
+
+    async def start(self) -> None:
+        link = _Link(self)
+        process = await start_child("mtaqueue.listener_main", self.args, link)
+        try:
+            await asyncio.wait_for(link.ready, START_TIMEOUT)
+            await asyncio.wait_for(link.bound, START_TIMEOUT)
+        except BaseException:
+            await abandon(process, link.transport)
+            raise
+        self._link, self._process = link, process
+        self.addresses = link.bound.result()
+        self._send_suppressions()
+
+    def reload(self, done: Callable[[], None]) -> None:
+        if self._link is None:  # restarting: the next process reads the config as it starts
+            done()
+            return
+        self._reloads.append(done)
+        self._send(h.Reload())
+
+    async def close(self, grace: float) -> None:
+        self._closing = True
+        process = self._process
+        if process is None:
+            return
+        self._send(h.Drain(float(grace)))  # a config Duration is a float of its own
+        try:
+            await asyncio.wait_for(process.wait(), grace + 5.0)
+        except TimeoutError:
+            await abandon(process, None)
+        self._end_streams()
+
+    # -- serving the process ------------------------------------------------------------
+
+    def _send(self, message) -> None:
+        link = self._link
+        if link is not None and link.transport is not None:
+            link.transport.write(frame(h.encode(message)))
+
+    def _send_suppressions(self) -> None:
+        entries = [self.spool.suppressed[a] for a in self.spool.suppressed]
+        self._send(h.Suppressions(entries, []))
+        self._told_refusal = self.spool.refusal
+        self._send(h.Storage(self._told_refusal))
+
+    def _suppression_changed(self, op: Suppress | Unsuppress) -> None:
+        if isinstance(op, Suppress):
+            self._send(h.Suppressions([op], []))
+        else:
+            self._send(h.Suppressions([], [op.address]))
+
+    def _refusal_changed(self) -> None:
+        refusal = self.spool.refusal
+        if refusal != self._told_refusal:
+            self._told_refusal = refusal
+            self._send(h.Storage(refusal))
+
+    def received(self, link: _Link, message: h.Up) -> None:
+        if isinstance(message, h.Commit):
+            future = self.spool.accept(message.message, message.content, message.signatures)
+            future.add_done_callback(lambda f, m=message: link.answer(m.token, f, m.message.size))
+        elif isinstance(message, h.Open):
+            signer = self.signing.signer.stream(message.header, message.now)
+            incoming = self.spool.incoming(message.message, signer)
+            link.streams[message.token] = incoming
+            link.answer_write(message.token, incoming.write(message.data))
+        elif isinstance(message, h.Piece):
+            link.answer_write(message.token, link.streams[message.token].write(message.data))
+        elif isinstance(message, h.Close):
+            incoming = link.streams.pop(message.token)
+            future = incoming.commit(message.data)
+            future.add_done_callback(
+                lambda f, t=message.token, i=incoming: link.answer(t, f, i.message.size)
+            )
+        elif isinstance(message, h.Discard):
+            with contextlib.suppress(KeyError):
+                link.streams.pop(message.token).discard()
+        elif isinstance(message, h.RcptRefused):
+            self.on_rcpt_refused(message.address, message.reason, message.now)
+        elif isinstance(message, h.State):
+            self._state = message
+        elif isinstance(message, h.Reloaded):
+            if self._reloads:
+                self._reloads.pop(0)()
+        elif not link.bound.done():
+            link.bound.set_result(message.addresses)
+
+    def lost(self, link: _Link) -> None:
+        for incoming in link.streams.values():
+            incoming.discard()
+        link.streams.clear()
+        if link is not self._link or self._closing:
+            return
+        reloads, self._reloads = self._reloads, []
+        for done in reloads:
+            done()
+        self.accepted += self._state.accepted
+        self._state = h.State(0, 0, 0, 0)
+        self._link = None
+        delay = RESTART_DELAYS[min(self._deaths, len(RESTART_DELAYS) - 1)]
+        self._deaths += 1
+        log.error("listener_exited", restart_in=delay)
+        asyncio.get_running_loop().create_task(self._restart(delay))
+
+    async def _restart(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self._closing:
+            return
+        try:
+            await self.start()
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            log.error("listener_restart_failed", error=str(exc))
+            self.lost(_Link(self))  # counts as another death: a longer wait
+            return
+        log.info("listener_restarted", listen=self.addresses)
+
+    def _end_streams(self) -> None:
+        if self._link is not None:
+            for incoming in self._link.streams.values():
+                incoming.discard()
+            self._link.streams.clear()
+
+
+class _Link(ChildLink):
+    def __init__(self, owner: ListenerProcess) -> None:
+        super().__init__("listener")
+        self.owner = owner
+        self.bound: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.streams: dict[int, IncomingMessage] = {}  # token -> a message being written
+
+    def answered(self, payload: bytes) -> None:
+        try:
+            message = h.decode_up(payload)
+        except msgspec.MsgspecError as exc:  # a bug: end it, a new one starts
+            log.error("listener_protocol_error", error=str(exc))
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        self.owner.received(self, message)
+
+    def lost(self) -> None:
+        if not self.bound.done():
+            self.bound.set_exception(ConnectionError("listener exited while starting"))
+        self.owner.lost(self)
+
+    def answer(self, token: int, future: asyncio.Future, size: int) -> None:
+        exc = future.exception()
+        if exc is None:
+            self._write(h.Committed(token, future.result(), size))
+        else:
+            self._write(h.Refused(token, isinstance(exc, StorageFull), str(exc)))
+
+    def answer_write(self, token: int, future: asyncio.Future) -> None:
+        def done(f: asyncio.Future) -> None:
+            exc = f.exception()
+            if exc is None:
+                self._write(h.Written(token))
+            else:
+                self._write(h.Refused(token, isinstance(exc, StorageFull), str(exc)))
+
+        future.add_done_callback(done)
+
+    def _write(self, message) -> None:
+        if self.transport is not None:
+            self.transport.write(frame(h.encode(message)))
