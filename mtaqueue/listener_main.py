@@ -18,10 +18,11 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import uvloop
 
-from . import config, heap
+from . import config, heap, memory_trace
 from .dkim.keys import load_keys
 from .dkim.service import SigningService
 from .dkim.signer import Signer
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=args.fd)
     cfg = config.load(args.config, args.overrides)  # the daemon read it a moment ago
     configure_logging(cfg.log.level, cfg.log.format)
+    memory_trace.install("listener", Path(cfg.spool.path) / "tracemalloc")
     if args.last_id:
         id_time(args.last_id)  # a malformed id fails here, not at the first message
 

@@ -4,8 +4,9 @@
                                 # tracemalloc starts, and each SIGUSR2 writes a snapshot to
                                 # directory/<role>-<pid>-<n>.snap (tracemalloc.Snapshot.load)
 
-The daemon installs it as "daemon", the spool writer (which inherits the environment) as
-"writer"; both write under the spool's `tracemalloc/`. Tracing costs CPU and memory
+The daemon installs it as "daemon", its children (which inherit the environment) as
+"writer" (the spool writer) and "listener" (the SMTP listener's process); all write under
+the spool's `tracemalloc/`. Tracing costs CPU and memory
 (about twice the allocations' size), so it is for a soak or a support case, not for
 production: `bench/soak.py` sends the signals and diffs the snapshots.
 """
