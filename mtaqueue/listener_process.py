@@ -16,14 +16,17 @@ alone — ids come from a lane of their own (ids.py), the suppression list is co
 and kept current, the spool's storage refusal is told as it changes (Spool.on_refusal).
 
 A listener's process that dies is started again (a second later, then up to a minute
-apart while it keeps dying); sessions it had open are gone, and a message whose 250 was
-not sent is the client's to send again, as with any connection lost.
+apart while it keeps dying within a minute of its start); sessions it had open are gone,
+and a message whose 250 was not sent is the client's to send again, as with any
+connection lost. The suppression list and the storage refusal go to a new process before
+it listens, so its first session already has them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -42,6 +45,7 @@ log = get_logger("daemon")
 
 START_TIMEOUT = 30.0  # seconds for the process to listen
 RESTART_DELAYS = (1.0, 5.0, 15.0, 60.0)  # after each death in a row
+STABLE = 60.0  # seconds: a process that lived this long died "first" again
 
 
 class ListenerProcess:
@@ -62,7 +66,9 @@ class ListenerProcess:
         self._link: _Link | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._closing = False
-        self._deaths = 0
+        self._deaths = 0  # in a row, each within STABLE of its start
+        self._started_at = 0.0  # monotonic
+        self._restarting: asyncio.Task | None = None
         self._reloads: list[Callable[[], None]] = []  # waiting for the process's Reloaded
         self._told_refusal: str | None = None
         spool.on_suppression = self._suppression_changed
@@ -91,14 +97,19 @@ class ListenerProcess:
         link = _Link(self)
         process = await start_child("mtaqueue.listener_main", self.args, link)
         try:
+            # Read before it listens (listener_main binds after its end is connected).
+            self._told_refusal = self.spool.refusal
+            entries = [self.spool.suppressed[a] for a in self.spool.suppressed]
+            link.send(h.Suppressions(entries, []))
+            link.send(h.Storage(self._told_refusal))
             await asyncio.wait_for(link.ready, START_TIMEOUT)
             await asyncio.wait_for(link.bound, START_TIMEOUT)
         except BaseException:
             await abandon(process, link.transport)
             raise
         self._link, self._process = link, process
+        self._started_at = time.monotonic()
         self.addresses = link.bound.result()
-        self._send_suppressions()
 
     def reload(self, done: Callable[[], None]) -> None:
         if self._link is None:  # restarting: the next process reads the config as it starts
@@ -109,6 +120,8 @@ class ListenerProcess:
 
     async def close(self, grace: float) -> None:
         self._closing = True
+        if self._restarting is not None:
+            self._restarting.cancel()
         process = self._process
         if process is None:
             return
@@ -121,16 +134,9 @@ class ListenerProcess:
 
     # -- serving the process ------------------------------------------------------------
 
-    def _send(self, message) -> None:
-        link = self._link
-        if link is not None and link.transport is not None:
-            link.transport.write(frame(h.encode(message)))
-
-    def _send_suppressions(self) -> None:
-        entries = [self.spool.suppressed[a] for a in self.spool.suppressed]
-        self._send(h.Suppressions(entries, []))
-        self._told_refusal = self.spool.refusal
-        self._send(h.Storage(self._told_refusal))
+    def _send(self, message: h.Down) -> None:
+        if self._link is not None:
+            self._link.send(message)
 
     def _suppression_changed(self, op: Suppress | Unsuppress) -> None:
         if isinstance(op, Suppress):
@@ -186,20 +192,23 @@ class ListenerProcess:
         self.accepted += self._state.accepted
         self._state = h.State(0, 0, 0, 0)
         self._link = None
+        if time.monotonic() - self._started_at >= STABLE:
+            self._deaths = 0
+        log.error("listener_exited", restart_in=self._restart_later())
+
+    def _restart_later(self) -> float:
+        """Start a new process after the delay for the deaths so far; that delay."""
         delay = RESTART_DELAYS[min(self._deaths, len(RESTART_DELAYS) - 1)]
         self._deaths += 1
-        log.error("listener_exited", restart_in=delay)
-        asyncio.get_running_loop().create_task(self._restart(delay))
+        self._restarting = asyncio.get_running_loop().create_task(self._restart(delay))
+        return delay
 
     async def _restart(self, delay: float) -> None:
         await asyncio.sleep(delay)
-        if self._closing:
-            return
         try:
             await self.start()
         except (OSError, RuntimeError, TimeoutError) as exc:
-            log.error("listener_restart_failed", error=str(exc))
-            self.lost(_Link(self))  # counts as another death: a longer wait
+            log.error("listener_restart_failed", error=str(exc), retry_in=self._restart_later())
             return
         log.info("listener_restarted", listen=self.addresses)
 
@@ -235,20 +244,20 @@ class _Link(ChildLink):
     def answer(self, token: int, future: asyncio.Future, size: int) -> None:
         exc = future.exception()
         if exc is None:
-            self._write(h.Committed(token, future.result(), size))
+            self.send(h.Committed(token, future.result(), size))
         else:
-            self._write(h.Refused(token, isinstance(exc, StorageFull), str(exc)))
+            self.send(h.Refused(token, isinstance(exc, StorageFull), str(exc)))
 
     def answer_write(self, token: int, future: asyncio.Future) -> None:
         def done(f: asyncio.Future) -> None:
             exc = f.exception()
             if exc is None:
-                self._write(h.Written(token))
+                self.send(h.Written(token))
             else:
-                self._write(h.Refused(token, isinstance(exc, StorageFull), str(exc)))
+                self.send(h.Refused(token, isinstance(exc, StorageFull), str(exc)))
 
         future.add_done_callback(done)
 
-    def _write(self, message) -> None:
+    def send(self, message: h.Down) -> None:
         if self.transport is not None:
             self.transport.write(frame(h.encode(message)))

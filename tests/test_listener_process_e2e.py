@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import smtplib
+import socket
 
 from e2e_helpers import ctl_json, wait_for
+from postfix_tools import unused_port
 from test_crash_e2e import alive
 
 BODY = b"Subject: hi\r\n\r\nhello\r\n"
@@ -71,3 +73,19 @@ def test_ids_of_the_listener_and_of_the_daemon_never_meet(start_daemon):
     # The listener's lane: odd sequence numbers (ids.py); the daemon's API and DSNs: even.
     assert all(int(queue_id, 16) % 2 == 1 for queue_id in smtp_ids)
     assert len(set(smtp_ids)) == 20 and smtp_ids == sorted(smtp_ids)
+
+
+def test_a_listener_that_cannot_listen_again_is_tried_again(start_daemon):
+    port = unused_port()
+    daemon = start_daemon(f"listen.address=127.0.0.1:{port}")
+    [listener] = children(daemon.proc.pid, b"mtaqueue.listener_main")
+    os.kill(listener, signal.SIGKILL)
+    wait_for(lambda: not alive(listener), what="the listener gone")
+    with socket.socket() as squatter:  # takes the port before the new listener (1 s later)
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        failed = daemon.wait_event("listener_restart_failed", timeout=20)
+        assert failed["retry_in"] == 5.0 and "in use" in failed["error"]
+    daemon.wait_event("listener_restarted", timeout=20)
+    assert send(port, "d@example.org")
