@@ -207,7 +207,9 @@ def throughput(args, workdir: Path) -> None:
             # Delivery off, as Postfix defers it: the accept path alone (and no bounce of
             # the test domain turning into suppressions that refuse the rest).
             spool = workdir / f"mq{round_}-{setup}"
-            mq = Mtaqueue(spool, 2626, "delivery.enabled=false", *signing)
+            # Its shipped log level, to a file, as Postfix logs each message to its maillog.
+            log_file = workdir / f"mq{round_}-{setup}.log"
+            mq = Mtaqueue(spool, 2626, "delivery.enabled=false", *signing, log_file=log_file)
             mq.start()
             try:
                 seconds = smtp_source("127.0.0.1:2626", args.sessions, args.messages, args.size)
