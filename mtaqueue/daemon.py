@@ -283,7 +283,7 @@ class Daemon:
             await metrics_server.close()
         await control.close()
         clean = await self.spool.close(max(deadline - time.monotonic(), 1.0))
-        log.info("stopped", accepted=listener.total_accepted())
+        log.info("stopped", accepted=listener.accepted)
         return 0 if clean else EXIT_RUNTIME
 
     def reload(self) -> None:

@@ -27,7 +27,6 @@ from .dkim.keys import load_keys
 from .dkim.service import SigningService
 from .dkim.signer import Signer
 from .framing import frame
-from .ids import id_time
 from .intake_settings import credentials, listener_settings, tls_context
 from .logs import configure_logging, get_logger
 from .smtp.listener import Listener
@@ -41,7 +40,6 @@ log = get_logger("listener")
 class ListenerMain:
     def __init__(self, args: argparse.Namespace, cfg: config.Config) -> None:
         self.args = args
-        self.cfg = cfg
         self.drain: asyncio.Future = asyncio.get_running_loop().create_future()
         self.client = SpoolClient(self._drain, self._reload)
         self.signing = SigningService(Signer(load_keys(cfg.dkim)))
@@ -112,7 +110,7 @@ class ListenerMain:
 
     def _changed(self) -> None:
         state = self.listener.state()
-        told = (state["sessions"], state["stress"], state["shed"], self.listener.accepted)
+        told = (state["sessions"], state["stress"], state["shed"])
         if told != self._told:
             self._told = told
             self.client.state(*told)
@@ -139,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config.load(args.config, args.overrides)  # the daemon read it a moment ago
     configure_logging(cfg.log.level, cfg.log.format)
     memory_trace.install("listener", Path(cfg.spool.path) / "tracemalloc")
-    if args.last_id:
-        id_time(args.last_id)  # a malformed id fails here, not at the first message
 
     async def run() -> int:
         return await ListenerMain(args, cfg).run(sock)

@@ -61,8 +61,8 @@ class ListenerProcess:
         self.on_rcpt_refused = on_rcpt_refused
         self.args = args  # for listener_main: the config file and overrides, the hostname
         self.addresses: list[str] = []
-        self.accepted = 0  # by the processes before the current one
-        self._state = h.State(0, 0, 0, 0)
+        self.accepted = 0  # messages committed for the listener (a duplicate's first id too)
+        self._state = h.State(0, 0, 0)
         self._link: _Link | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._closing = False
@@ -89,9 +89,6 @@ class ListenerProcess:
             "stress": self._state.stress,
             "shed": self._state.shed,
         }
-
-    def total_accepted(self) -> int:
-        return self.accepted + self._state.accepted
 
     async def start(self) -> None:
         link = _Link(self)
@@ -130,7 +127,8 @@ class ListenerProcess:
             await asyncio.wait_for(process.wait(), grace + 5.0)
         except TimeoutError:
             await abandon(process, None)
-        self._end_streams()
+        if self._link is not None:
+            _discard_streams(self._link)
 
     # -- serving the process ------------------------------------------------------------
 
@@ -181,16 +179,13 @@ class ListenerProcess:
             link.bound.set_result(message.addresses)
 
     def lost(self, link: _Link) -> None:
-        for incoming in link.streams.values():
-            incoming.discard()
-        link.streams.clear()
+        _discard_streams(link)
         if link is not self._link or self._closing:
             return
         reloads, self._reloads = self._reloads, []
         for done in reloads:
             done()
-        self.accepted += self._state.accepted
-        self._state = h.State(0, 0, 0, 0)
+        self._state = h.State(0, 0, 0)
         self._link = None
         if time.monotonic() - self._started_at >= STABLE:
             self._deaths = 0
@@ -212,11 +207,12 @@ class ListenerProcess:
             return
         log.info("listener_restarted", listen=self.addresses)
 
-    def _end_streams(self) -> None:
-        if self._link is not None:
-            for incoming in self._link.streams.values():
-                incoming.discard()
-            self._link.streams.clear()
+
+def _discard_streams(link: _Link) -> None:
+    """Forget the messages a listener was still writing (their files are removed)."""
+    for incoming in link.streams.values():
+        incoming.discard()
+    link.streams.clear()
 
 
 class _Link(ChildLink):
@@ -244,6 +240,7 @@ class _Link(ChildLink):
     def answer(self, token: int, future: asyncio.Future, size: int) -> None:
         exc = future.exception()
         if exc is None:
+            self.owner.accepted += 1
             self.send(h.Committed(token, future.result(), size))
         else:
             self.send(h.Refused(token, isinstance(exc, StorageFull), str(exc)))

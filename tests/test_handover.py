@@ -30,7 +30,7 @@ def test_every_kind_of_frame_comes_out_as_it_went_in():
         h.Close(2, b"end\r\n"),
         h.Discard(3),
         h.RcptRefused("gone@example.org", "550 5.1.1 no such user", 2.0),
-        h.State(3, 1, 2, 40),
+        h.State(3, 1, 2),
         h.Bound(["127.0.0.1:2525"]),
     ]
     down = [

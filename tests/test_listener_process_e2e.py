@@ -75,6 +75,15 @@ def test_ids_of_the_listener_and_of_the_daemon_never_meet(start_daemon):
     assert len(set(smtp_ids)) == 20 and smtp_ids == sorted(smtp_ids)
 
 
+def bound(sock: socket.socket, port: int) -> bool:
+    """Bind `sock` to the port, or False while another socket still listens there."""
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
+
+
 def test_a_listener_that_cannot_listen_again_is_tried_again(start_daemon):
     port = unused_port()
     daemon = start_daemon(f"listen.address=127.0.0.1:{port}")
@@ -83,7 +92,7 @@ def test_a_listener_that_cannot_listen_again_is_tried_again(start_daemon):
     wait_for(lambda: not alive(listener), what="the listener gone")
     with socket.socket() as squatter:  # takes the port before the new listener (1 s later)
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
-        squatter.bind(("127.0.0.1", port))
+        wait_for(lambda: bound(squatter, port), timeout=0.8, what="the old listener's port free")
         squatter.listen()
         failed = daemon.wait_event("listener_restart_failed", timeout=20)
         assert failed["retry_in"] == 5.0 and "in use" in failed["error"]

@@ -4,8 +4,9 @@
 
 Up (listener → daemon): `Commit` a message held whole, or `Open`, `Piece`s and `Close` one
 written as it arrives (`Discard` forgets it); `RcptRefused` for each suppressed recipient
-refused (the daemon emits its event); `State` whenever sessions, stress or sheds change;
-`Bound` once, with the addresses listened on, after "ready"; `Reloaded` after each `Reload`.
+refused (the daemon emits its event); `State` whenever sessions, stress or sheds change
+(not per message: the daemon counts the commits itself); `Bound` once, with the addresses
+listened on, after "ready"; `Reloaded` after each `Reload`.
 Down (daemon → listener): `Committed` (the queue id; a streamed message's stored size),
 `Written` (a piece is on disk), `Refused` (storage full or failing: the reply the client
 gets); `Storage` when the spool's refusal changes; `Suppressions` (the suppression list:
@@ -63,7 +64,6 @@ class State(msgspec.Struct, tag=7, array_like=True):
     sessions: int
     stress: int
     shed: int
-    accepted: int
 
 
 class Bound(msgspec.Struct, tag=8, array_like=True):

@@ -75,17 +75,16 @@ class Listener:
         tls: ssl.SSLContext | None = None,
         credentials: Credentials | None = None,
         rcpt_check: Callable[[str], str | None] | None = None,
-        on_change: Callable[[], None] = lambda: None,
+        on_change: Callable[[], None] = lambda: None,  # sessions, stress or sheds changed
     ) -> None:
         self.settings = settings
         self.rcpt_check = rcpt_check
-        self.on_change = on_change  # sessions, stress, sheds or the accepted count changed
+        self.on_change = on_change
         self.spool = spool
         self.signing = signing
         self.tls = tls
         self.credentials = credentials
         self.slots = Slots(_limits(settings))
-        self.accepted = 0
         self.draining = False
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task | None = None
@@ -370,8 +369,6 @@ class SubmissionProtocol(asyncio.Protocol):
         exc = future.exception()
         if exc is None:
             queue_id = future.result()
-            self.listener.accepted += 1
-            self.listener.on_change()
             if queue_id == message.id:
                 log.info("accepted", **accepted_fields(message, self.client))
             else:

@@ -64,8 +64,8 @@ class SpoolClient(asyncio.Protocol):
     def rcpt_refused(self, address: str, reason: str, now: float) -> None:
         self._send(h.RcptRefused(address, reason, now))
 
-    def state(self, sessions: int, stress: int, shed: int, accepted: int) -> None:
-        self._send(h.State(sessions, stress, shed, accepted))
+    def state(self, sessions: int, stress: int, shed: int) -> None:
+        self._send(h.State(sessions, stress, shed))
 
     def bound(self, addresses: list[str]) -> None:
         self._send(h.Bound(addresses))
