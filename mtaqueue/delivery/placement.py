@@ -178,10 +178,12 @@ class Placement:
         route, plain = resolved.route, resolved.plain
         if relay is not None and isinstance(route, RouteFailure):
             route = unrouted(relay, route)
-        # By class, then as they came: a source's warm-up allowance goes to the work queued
-        # first, and mail that waited for the next day comes back in one batch.
+        # By class, then by arrival: a source's warm-up allowance goes to the work queued
+        # first, and mail that waited for the next day comes back in one batch. Arrival, not
+        # the batch's order: routes of messages accepted apart resolve concurrently and may
+        # end out of order, so the order they began to wait is not their age.
         rank = self.class_rank
-        work.sort(key=lambda entry: rank.get(entry[0].klass, 0))
+        work.sort(key=lambda entry: (rank.get(entry[0].klass, 0), entry[0].created))
         actions: list[Action] = []
         for message, indexes in work:
             try:

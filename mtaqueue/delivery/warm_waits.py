@@ -8,8 +8,8 @@
     len(warm_waits)                                messages waiting
 
 One wake a destination (spread over destinations, not over its messages): its waiting
-mail comes back together and in the order it began to wait, oldest first, for the day's
-allowance; a wake drawn for a day that has begun is drawn again for the next.
+mail comes back together, in one batch that placement orders by class, then oldest first,
+for the day's allowance; a wake drawn for a day that has begun is drawn again for the next.
 """
 
 from __future__ import annotations
