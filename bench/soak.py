@@ -29,11 +29,11 @@ suppressed last. A suppression with a 2-minute TTL is added every 15 s
 (`mtaqueue-ctl suppress add ADDRESS --for 2m`), and the spool writer is `kill -9`ed once
 (`--kill-writer-at`, default the middle of the measured part).
 
-Every minute: RSS, open files and threads of the daemon and of its writer, the daemon's
+Every minute: RSS, open files and threads of the daemon, its writer and its listener, the daemon's
 asyncio tasks (`mtaqueue_process_tasks` on /metrics, "-" when absent), spool files
 (msg/), journal bytes, the queue (`status --json`), and submitted / acked / delivered /
 DSN counts. At the end: the samples, growth per hour after the warm-up (least squares;
-the writer's with one intercept per writer process), the targets (RSS <= 2 MB/h, files,
+a child's with one intercept per process of it), the targets (RSS <= 2 MB/h, files,
 threads and tasks flat), and the checks: no acked message lost (each one delivered,
 bounced with a DSN, or still queued) and none delivered twice. `--tracemalloc N` runs the
 daemon with MTAQUEUE_TRACEMALLOC=N, takes snapshots (SIGUSR2) after the warm-up, around
@@ -65,13 +65,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accept_bench import Mtaqueue
-from common import free_port, tree_pids, work_directory
+from common import free_port, mtaqueue_children, work_directory
 from soak_traffic import Receivers, Submitter
 
 REPO = Path(__file__).resolve().parent.parent
 SERIES = [
-    ("daemon_rss_mb", "MB"), ("writer_rss_mb", "MB"), ("daemon_files", ""),
-    ("writer_files", ""), ("daemon_threads", ""), ("writer_threads", ""), ("tasks", ""),
+    ("daemon_rss_mb", "MB"), ("writer_rss_mb", "MB"), ("listener_rss_mb", "MB"),
+    ("daemon_files", ""), ("writer_files", ""), ("listener_files", ""),
+    ("daemon_threads", ""), ("writer_threads", ""), ("listener_threads", ""), ("tasks", ""),
     ("spool_files", ""), ("journal_mb", "MB"), ("queue", ""), ("keys", ""),
     ("suppressions", ""),
 ]  # fmt: skip
@@ -81,7 +82,9 @@ GAUGES = {
     "keys": 'mtaqueue_memory_entries{map="idempotency_keys"}',
     "suppressions": 'mtaqueue_memory_entries{map="suppressions"}',
 }
-WRITER_SERIES = {"writer_rss_mb", "writer_files", "writer_threads"}
+CHILDREN = ("writer", "listener")
+# A child's series is fitted with one intercept per process of it (a restarted writer).
+PID_OF = {f"{role}_{k}": f"{role}_pid" for role in CHILDREN for k in ("rss_mb", "files", "threads")}
 
 
 def proc_status(pid: int | None) -> tuple[float, int, int] | None:
@@ -98,13 +101,7 @@ def proc_status(pid: int | None) -> tuple[float, int, int] | None:
 
 
 def writer_pid(daemon: int) -> int | None:
-    for pid in tree_pids(daemon)[1:]:
-        try:
-            if b"mtaqueue.spool.writer" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-        except OSError:
-            pass
-    return None
+    return mtaqueue_children(daemon).get("writer")
 
 
 def ctl(spool: Path, *args: str) -> str:
@@ -137,15 +134,16 @@ def spool_counts(spool: Path) -> tuple[int, float]:
 
 def sample(t0: float, mq: Mtaqueue, rx: Receivers, sub: Submitter, metrics: str) -> dict:
     daemon = proc_status(mq.proc.pid)
-    wpid = writer_pid(mq.proc.pid)
-    writer = proc_status(wpid)
+    pids = mtaqueue_children(mq.proc.pid)
     files, journal = spool_counts(mq.spool)
     try:
         queue = json.loads(ctl(mq.spool, "status", "--json"))["messages"]
     except (ValueError, KeyError, subprocess.TimeoutExpired):
         queue = None
-    row = {"minute": round((time.monotonic() - t0) / 60, 2), "writer_pid": wpid}
-    for prefix, values in (("daemon", daemon), ("writer", writer)):
+    row = {"minute": round((time.monotonic() - t0) / 60, 2)}
+    row |= {f"{role}_pid": pids.get(role) for role in CHILDREN}
+    processes = [("daemon", daemon)] + [(role, proc_status(pids.get(role))) for role in CHILDREN]
+    for prefix, values in processes:
         rss, fds, threads = values or (None, None, None)
         row |= {f"{prefix}_rss_mb": rss, f"{prefix}_files": fds, f"{prefix}_threads": threads}
     row |= gauges(metrics) | {"spool_files": files, "journal_mb": journal, "queue": queue}
@@ -160,12 +158,12 @@ def fmt(value, width: int = 8) -> str:
     return (f"{value:.1f}" if isinstance(value, float) else str(value)).rjust(width)
 
 
-def slope_per_hour(rows: list[dict], key: str, by_pid: bool) -> float | None:
-    """Least-squares slope per hour; with `by_pid`, one intercept per writer process."""
+def slope_per_hour(rows: list[dict], key: str) -> float | None:
+    """Least-squares slope per hour; a child's with one intercept per process of it."""
     groups: dict = {}
     for r in rows:
         if r[key] is not None:
-            groups.setdefault(r["writer_pid"] if by_pid else 0, []).append((r["minute"], r[key]))
+            groups.setdefault(r.get(PID_OF.get(key, "")), []).append((r["minute"], r[key]))
     num = den = 0.0
     for points in groups.values():
         mt = sum(t for t, _ in points) / len(points)
@@ -175,13 +173,13 @@ def slope_per_hour(rows: list[dict], key: str, by_pid: bool) -> float | None:
     return num / den * 60 if den else None
 
 
-def residual_spread(rows: list[dict], key: str, by_pid: bool) -> float:
+def residual_spread(rows: list[dict], key: str) -> float:
     """Standard deviation of the points around the fitted line(s)."""
-    slope = (slope_per_hour(rows, key, by_pid) or 0.0) / 60
+    slope = (slope_per_hour(rows, key) or 0.0) / 60
     groups: dict = {}
     for r in rows:
         if r[key] is not None:
-            groups.setdefault(r["writer_pid"] if by_pid else 0, []).append((r["minute"], r[key]))
+            groups.setdefault(r.get(PID_OF.get(key, "")), []).append((r["minute"], r[key]))
     squares, n = 0.0, 0
     for points in groups.values():
         mt = sum(t for t, _ in points) / len(points)
@@ -404,8 +402,8 @@ def run(args, rx: Receivers, mq: Mtaqueue, metrics: str, total: float, kill_at: 
             warm_snapped = True
             if args.tracemalloc:
                 snaps["daemon"] = [snapshot(mq.proc.pid, mq.spool, "daemon")]
-                wpid = writer_pid(mq.proc.pid)
-                snaps[f"writer {wpid}"] = [snapshot(wpid, mq.spool, "writer")]
+                for role, pid in mtaqueue_children(mq.proc.pid).items():
+                    snaps[f"{role} {pid}"] = [snapshot(pid, mq.spool, role)]
         if not killed and minute >= kill_at:
             killed = True
             wpid = writer_pid(mq.proc.pid)
@@ -438,8 +436,8 @@ def run(args, rx: Receivers, mq: Mtaqueue, metrics: str, total: float, kill_at: 
         print(" ".join(fmt(rows[-1][k]) for k in keys), flush=True)
         if args.tracemalloc:
             snaps.setdefault("daemon", []).append(snapshot(mq.proc.pid, mq.spool, "daemon"))
-            wpid = writer_pid(mq.proc.pid)
-            snaps.setdefault(f"writer {wpid}", []).append(snapshot(wpid, mq.spool, "writer"))
+            for role, pid in mtaqueue_children(mq.proc.pid).items():
+                snaps.setdefault(f"{role} {pid}", []).append(snapshot(pid, mq.spool, role))
         if args.snapshots:
             args.snapshots.mkdir(parents=True, exist_ok=True)
             for path in (mq.spool / "tracemalloc").glob("*.snap"):
@@ -455,10 +453,10 @@ def run(args, rx: Receivers, mq: Mtaqueue, metrics: str, total: float, kill_at: 
 
 def report(args, rows, checks, snaps, sub, events) -> None:
     measured = [r for r in rows if r["minute"] >= args.warmup - 0.01]
-    growth = {k: slope_per_hour(measured, k, k in WRITER_SERIES) for k, _ in SERIES}
+    growth = {k: slope_per_hour(measured, k) for k, _ in SERIES}
     print(f"\ngrowth per hour after the warm-up ({len(measured)} samples):")
-    targets = {"daemon_rss_mb": 2.0, "writer_rss_mb": 2.0}
-    flat = {"daemon_files", "writer_files", "daemon_threads", "writer_threads", "tasks"}
+    targets = {f"{p}_rss_mb": 2.0 for p in ("daemon", *CHILDREN)}
+    flat = {f"{p}_{k}" for p in ("daemon", *CHILDREN) for k in ("files", "threads")} | {"tasks"}
     verdicts = {}
     for key, unit in SERIES:
         value = growth[key]
@@ -468,7 +466,7 @@ def report(args, rows, checks, snaps, sub, events) -> None:
         elif key in flat:
             # flat: what the slope adds over the run is within the noise around the line
             span = (measured[-1]["minute"] - measured[0]["minute"]) / 60 if measured else 0
-            noise = residual_spread(measured, key, key in WRITER_SERIES)
+            noise = residual_spread(measured, key)
             ok = value is None or abs(value) * span <= max(1.0, 2 * noise)
             verdicts[key], target = ok, f"target: flat (rise <= max(1, 2 x {noise:.1f}))"
         else:
