@@ -14,6 +14,7 @@ CHUNKING: a one-trip transaction needs the next message written behind the final
 
 Both senders are held to C: Postfix by its destination concurrency limits (initial
 included), mtaqueue by shaping.default (max and initial connections = C, no p0 reserve).
+Both log each message: Postfix to its maillog, mtaqueue at its shipped level to a file.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def mtaqueue_row(args, workdir: Path, sink: SmtpSink, delay: float, c: int, rcpt
             f"shaping.default.initial_connections={c}",
             "shaping.default.reserved_p0=0",
             "shaping.default.messages_per_connection=100000",
+            # Its shipped log level, to a file, as Postfix logs each message to its maillog.
+            log_file=workdir.with_name(f"{workdir.name}.log"),
         )
         mq.start()  # its probe message goes through the proxy too
         deadline = time.monotonic() + 60
