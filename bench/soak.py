@@ -29,8 +29,8 @@ suppressed last. A suppression with a 2-minute TTL is added every 15 s
 (`mtaqueue-ctl suppress add ADDRESS --for 2m`), and the spool writer is `kill -9`ed once
 (`--kill-writer-at`, default the middle of the measured part).
 
-Every minute: RSS, open files and threads of the daemon, its writer and its listener, the daemon's
-asyncio tasks (`mtaqueue_process_tasks` on /metrics, "-" when absent), spool files
+Every minute: RSS, open files and threads of the daemon, its writer and its listener,
+the daemon's asyncio tasks (`mtaqueue_process_tasks` on /metrics, "-" when absent), spool files
 (msg/), journal bytes, the queue (`status --json`), and submitted / acked / delivered /
 DSN counts. At the end: the samples, growth per hour after the warm-up (least squares;
 a child's with one intercept per process of it), the targets (RSS <= 2 MB/h, files,
