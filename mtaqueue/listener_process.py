@@ -96,8 +96,7 @@ class ListenerProcess:
         try:
             # Read before it listens (listener_main binds after its end is connected).
             self._told_refusal = self.spool.refusal
-            entries = [self.spool.suppressed[a] for a in self.spool.suppressed]
-            link.send(h.Suppressions(entries, []))
+            link.send(h.Suppressions(list(self.spool.suppressed.values()), []))
             link.send(h.Storage(self._told_refusal))
             await asyncio.wait_for(link.ready, START_TIMEOUT)
             await asyncio.wait_for(link.bound, START_TIMEOUT)
@@ -215,6 +214,11 @@ def _discard_streams(link: _Link) -> None:
     link.streams.clear()
 
 
+def _refused(token: int, exc: BaseException) -> h.Refused:
+    """The storage's refusal of a message: full (452 4.3.1) or a failed write (451 4.3.0)."""
+    return h.Refused(token, isinstance(exc, StorageFull), str(exc))
+
+
 class _Link(ChildLink):
     def __init__(self, owner: ListenerProcess) -> None:
         super().__init__("listener")
@@ -243,15 +247,12 @@ class _Link(ChildLink):
             self.owner.accepted += 1
             self.send(h.Committed(token, future.result(), size))
         else:
-            self.send(h.Refused(token, isinstance(exc, StorageFull), str(exc)))
+            self.send(_refused(token, exc))
 
     def answer_write(self, token: int, future: asyncio.Future) -> None:
         def done(f: asyncio.Future) -> None:
             exc = f.exception()
-            if exc is None:
-                self.send(h.Written(token))
-            else:
-                self.send(h.Refused(token, isinstance(exc, StorageFull), str(exc)))
+            self.send(h.Written(token) if exc is None else _refused(token, exc))
 
         future.add_done_callback(done)
 
