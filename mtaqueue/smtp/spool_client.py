@@ -1,6 +1,6 @@
 """The listener process's spool: the daemon's, over the socketpair (`handover`).
 
-    client = SpoolClient(on_drain)            # an asyncio Protocol on the pair
+    client = SpoolClient(on_drain, on_reload) # an asyncio Protocol on the pair
     client.ids.next(now) / client.refusal     # ids of the listener's lane; storage refusal
     client.accept(message, content, sigs)     # a future of the queue id, as Spool.accept
     client.incoming(message, header, now)     # a RemoteIncoming: write(*pieces), commit(last),
@@ -10,7 +10,7 @@
 
 Answers fail with the exceptions the daemon's spool raised (StorageFull, StorageError), so the
 listener answers its client as it would in the daemon. If the daemon goes away, every
-pending answer fails with StorageError and `on_lost` is called: the process ends.
+pending answer fails with StorageError and `client.lost` is done: the process ends.
 """
 
 from __future__ import annotations
