@@ -318,6 +318,34 @@ def test_a_reply_missing_after_the_dot_is_not_taken_from_the_next_group():
     assert classify(reply).outcome == "ambiguous"  # as delivery.ambiguous says, not delivered
 
 
+def test_a_reply_missing_after_the_dot_is_caught_when_the_next_group_runs_short():
+    # The same missing reply, but the server answers m1's DATA with a 250: shifted by one,
+    # m1's group reads as MAIL 250, RCPT 250, RCPT 250 and then nothing. A group whose
+    # replies stop in the middle is one short, so the dot's 250 may be MAIL's (a draw of
+    # test_pipeline_fuzz.py that once recorded m0 delivered).
+    datas = []
+
+    def answer(verb: str, arg: str) -> str | None:
+        if verb == "DATA":
+            datas.append(arg)
+            return "250 2.1.0 ok" if len(datas) == 2 else None
+        return "" if (verb, arg) == ("DOT", "m0") else None
+
+    peer = GroupPeer(answer=answer)
+
+    async def go():
+        conn = await connect(peer)
+        rcpts = ("a@example.org", "b@example.org")
+        results = await pipeline_of(conn, ["m0", "m1"], rcpts=rcpts)
+        await peer.stop()
+        return results, conn.pipeline.out_of_step
+
+    results, out_of_step = run(go())
+    assert out_of_step and len(results) == 1
+    assert all(r.network == "protocol" and r.phase == "data_end" for r in results[0])
+    assert all(classify(r).outcome == "ambiguous" for r in results[0])
+
+
 def test_a_server_that_drops_what_was_written_ahead_is_spoken_to_in_lock_step():
     peer = GroupPeer(drop_ahead=True)  # answers MAIL, never sees the RCPT and DATA behind it
 
