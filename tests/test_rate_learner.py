@@ -42,6 +42,21 @@ def test_slow_start_doubles_while_the_allowance_is_used():
     assert learner.rate >= rl.SLOW_START * 2**4  # about one doubling a second
 
 
+@pytest.mark.parametrize("cadence", [1.0, 0.96, 0.9])
+def test_slow_start_grows_by_the_time_its_evidence_covers(cadence):
+    # Paced sending lands deliveries a little inside a round as often as on its end; a
+    # round counted only from a delivery past its end lost rounds (240 first attempts
+    # took 2.5-2.8 s). Growth in proportion to the time covered: ~2.4 s at any cadence
+    # (a doubling every ROUND from 2/s would be 2.1 s; at 2/s the evidence comes 0.5 s
+    # apart, and a step grows by one round's doubling at most).
+    learner, now = RateLearner(0.0), 0.0
+    for _ in range(240):
+        learner.sent(now)
+        learner.delivered(now, 0.0)
+        now += cadence / learner.limit(0.0)
+    assert now < 2.45
+
+
 def test_an_idle_destination_does_not_grow():
     learner = RateLearner(0.0)
     for i in range(100):  # one message every 4 s: far under its 2/s
