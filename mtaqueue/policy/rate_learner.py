@@ -65,7 +65,7 @@ import msgspec
 
 SLOW_START = 2.0  # no history: 120/min, polite to a small server, ramps fast
 MIN_RATE = 1 / 60  # a throttle never stops a destination for good: one a minute
-ROUND = 0.25  # growth step of slow start and recovery: 2/s reaches 1,000/s in ~2 s
+ROUND = 0.25  # growth step of slow start and recovery: 2/s reaches 1,000/s in ~2.5 s
 USED = 0.5  # share of a round's allowance sent, for it to count as evidence
 BETA = 0.8  # new rate after a signal, of the acceptance measured before it
 WINDOW = 5.0  # behind the acceptance measurement
