@@ -158,14 +158,13 @@ class Pipeline:
         if then is not None and self.usable:
             replies = await self._replies(then.exchange, t)
             judged = judge(replies, len(then.exchange.rcpts), then.exchange.chunking)
-            # Replies that stop in the middle of the group are one short: the dot's may
-            # have been the group's first, and the dot's own never came.
-            stopped = replies[-1].network == "timeout"
-            if not judged.in_step or self.stream.buffered or (stopped and len(replies) > 1):
+            # Out of step here (`_replies` marks a group whose replies stopped midway: one
+            # short, so the dot's may have been its first): the dot's may be another's.
+            if not judged.in_step or self.stream.buffered or self.out_of_step:
                 self._out_of_step()
                 text = "protocol error: replies out of step after the end of data"
                 final = network("data_end", "protocol", text)
-            elif stopped:  # commands behind a dot went unheard
+            elif replies[-1].network == "timeout":  # commands behind a dot went unheard
                 self.out_of_step = True
             else:
                 self.ahead = Ahead(then.message_id, then.exchange, then.unsent, replies)
