@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from e2e_helpers import BODY, FAST, MailNet, ctl_json, wait_for
+from e2e_helpers import BODY, FAST, MailNet, ctl_json, events, wait_for
 
 DOWN = "421 4.3.2 Service not available, closing transmission channel"
 # Long enough that only a lift (not the suspension's end) can explain a delivery.
@@ -101,3 +101,22 @@ def test_unsuspend_by_host_and_by_domain(net, start_daemon):
     for queue_id in (charged, waiting):
         [rcpt] = queue[queue_id]["recipients"]
         assert rcpt["state"] == "deferred" and rcpt["next_attempt"] > time.time() + 60
+
+
+def test_a_flush_of_many_chunks_still_costs_one_connection(net, start_daemon):
+    """A flush walks the queue a chunk at a time (2,000 messages): the destination is
+    lifted once for the command, not once a chunk (a dead host would see a probe each)."""
+    daemon, _, _ = suspended_by_outage(net, start_daemon)
+    with daemon.smtp() as client:
+        for i in range(4500):
+            assert client.sendmail("app@sender.test", [f"b{i}@example.org"], BODY) == {}
+    time.sleep(1)
+    before = banners(net.peers[0])
+    assert ctl_json(daemon, "flush", "--all") == [{"flushed": 4501}]
+    time.sleep(3)
+    assert banners(net.peers[0]) == before + 1  # one probe for the whole command
+    [entry] = ctl_json(daemon, "hosts")
+    assert entry["failures"] == 2
+    lifted = [e for e in events(daemon, "destination_lifted") if e.get("by") == "flush"]
+    assert len(lifted) == 1
+    assert len(daemon.messages()) == 4501

@@ -61,6 +61,16 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
 
         return command
 
+    def lifting(action: Callable[[list[Message], set[str]], int], verb: str) -> Command:
+        """A bulk command that lifts destinations (flush, requeue): once each per command,
+        whatever the number of chunks its selection comes in."""
+
+        def make(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+            lifted: set[str] = set()
+            return bulk(lambda batch: action(batch, lifted), verb)(args)
+
+        return make
+
     async def domains(args: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         for entry in await manager.view():
             yield entry
@@ -131,8 +141,8 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
     return {
         "hold": bulk(manager.hold, "held"),
         "release": bulk(manager.release, "released"),
-        "flush": bulk(manager.flush, "flushed"),
-        "requeue": bulk(manager.requeue, "requeued"),
+        "flush": lifting(manager.flush, "flushed"),
+        "requeue": lifting(manager.requeue, "requeued"),
         "delete": bulk(manager.delete, "deleted"),
         "bounce": bulk(manager.bounce, "bounced"),
         "domains": domains,

@@ -2,7 +2,8 @@
 
     Operations(driver, outcomes, registry, active, spool, resolver, hosts)
     .configure(cfg)
-    .hold(messages, reason) / .release(messages) / .flush(messages) / .requeue(messages)
+    .hold(messages, reason) / .release(messages)
+    .flush(messages, lifted) / .requeue(messages, lifted)    lifted: a command's, across chunks
     .delete(messages) / .cancel(messages, reason) / .bounce(messages)   -> count
     .limit(name, rate, concurrency, until) / .backoff(name, until)      -> destinations
     .forget_learned(name) -> count
@@ -14,11 +15,11 @@ Each reads the clock once, changes records through the spool, and hands what the
 decides to the driver. A flush lifts what holds its mail back, as Postfix's `postqueue -f`
 re-enables dead destinations (qmgr_enable_all): the host suspensions and an open breaker of
 the destinations its mail was routed to. Each of those gets one probe connection (its
-breaker half-open), whose answer decides: a host still dead costs one connect and is
-suspended again, for longer. Pacing, learned limits and the greylisting minimum still
-apply to what a flush releases: it never hammers a receiver. `unsuspend` lifts the same
-way without touching retry times: mail that waited on the suspension is due again at its
-own time.
+breaker half-open; once a command, however many chunks it comes in), whose answer
+decides: a host still dead costs one connect and is suspended again, for longer.
+Pacing, learned limits and the greylisting minimum still apply to what a flush releases:
+it never hammers a receiver. `unsuspend` lifts the same way without touching retry
+times: mail that waited on the suspension is due again at its own time.
 """
 
 from __future__ import annotations
@@ -93,9 +94,12 @@ class Operations:
                 count += 1
         return count
 
-    def flush(self, messages: list[Message]) -> int:
-        """Make deferred mail due now (still paced), its destinations lifted (see above)."""
+    def flush(self, messages: list[Message], lifted: set[str] | None = None) -> int:
+        """Make deferred mail due now (still paced), its destinations lifted (see above).
+        `lifted`: the destinations this command lifted already, for a command that comes
+        a chunk at a time (each is lifted once: one probe, not one a chunk)."""
         now = self.driver.now()
+        lifted = set() if lifted is None else lifted
         ids = {m.id for m in messages if not m.held}
         # Only what something holds back, then whether this mail waits there: a flush of a
         # million messages comes a chunk at a time, and every destination's waiting mail
@@ -103,10 +107,14 @@ class Operations:
         held_back = [
             d
             for d in self.registry.destinations.values()
-            if d.shaper.breaker.state(now) != CLOSED
-            or any(self.hosts.held(key, now) for key in _host_keys(d))
+            if d.key not in lifted
+            and (
+                d.shaper.breaker.state(now) != CLOSED
+                or any(self.hosts.held(key, now) for key in _host_keys(d))
+            )
         ]
-        self._lift([d for d in held_back if not d.waiting.isdisjoint(ids)], now, "flush")
+        waiting = [d for d in held_back if not d.waiting.isdisjoint(ids)]
+        lifted.update(self._lift(waiting, now, "flush"))
         count = 0
         for message in messages:
             if message.held:
@@ -120,12 +128,12 @@ class Operations:
                 count += 1
         return count
 
-    def requeue(self, messages: list[Message]) -> int:
+    def requeue(self, messages: list[Message], lifted: set[str] | None = None) -> int:
         """Look the recipients' domains up again, then flush (still paced)."""
         for message in messages:
             for rcpt in message.recipients:
                 self.resolver.cache.forget(domain_of(rcpt.address))
-        return self.flush(messages)
+        return self.flush(messages, lifted)
 
     def delete(self, messages: list[Message]) -> int:
         """Remove messages without notice (an operator's decision, logged)."""
