@@ -20,6 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 from accept_bench import fill_spool  # noqa: E402
+from common import byte_compiled  # noqa: E402
 from dns_server import DnsServer  # noqa: E402
 from smtp_peer import peers_on_one_port  # noqa: E402
 
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=12000)
     parser.add_argument("--domains", type=int, default=50)
     args = parser.parse_args()
+    byte_compiled()
     spool = Path(tempfile.mkdtemp(prefix="mtaqueue-restart-")) / "spool"
     fill_spool(spool, args.messages, 2048, domains=args.domains)
     with DnsServer() as dns:
