@@ -1,6 +1,6 @@
 """The learned rate against fixed-window limiters, on a fake clock: seconds, not an hour.
 
-    python bench/learner_windows.py [--offsets 0,0.33,0.41] [--burst 5]
+    python bench/learner_windows.py [--offsets 0,0.33,0.41] [--burst 5] [--messages N]
 
 The pure policy code alone (mtaqueue/policy/rate_learner.py, and the shaper's message
 bucket: a token bucket of `--burst` at the learned rate, one message at a time after a
@@ -94,6 +94,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--offsets", default="0,0.33,0.41", help="shares of a window gone")
     parser.add_argument("--burst", type=int, default=5, help="the message bucket's (5)")
+    parser.add_argument(
+        "--messages", type=int, help="per limiter (default: 10 x its limit, at least 1,000)"
+    )
     args = parser.parse_args()
     offsets = [float(x) for x in args.offsets.split(",")]
     print("| limiter | messages | refused MAILs / 1,000 | drain / T_min at each offset |")
@@ -101,7 +104,7 @@ def main() -> int:
     refused_all = messages_all = 0
     ratios = []
     for limit, unit in LIMITERS:
-        messages = max(1000, 10 * limit)
+        messages = args.messages or max(1000, 10 * limit)
         runs = [drain(limit, unit, messages, gone, args.burst) for gone in offsets]
         refused = sum(r for r, _ in runs)
         refused_all += refused
