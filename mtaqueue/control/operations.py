@@ -39,6 +39,21 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
         except msgspec.ValidationError as exc:
             raise CommandError(f"bad selection: {exc}") from None
 
+    async def by_class(ids: list[str]) -> list[str]:
+        """`ids` in class order (the first class first), queue order within a class: a
+        flush of a million makes the password resets due in its first chunks, not
+        wherever in its ten seconds the walk comes to them. Record heads only, a chunk
+        at a time between looks at the loop."""
+        queue = spool.messages
+        rank = manager.placement.class_rank
+        ranks: list[list[str]] = [[] for _ in range(len(rank) + 1)]  # the last: unknown
+        for chunk in chunks(ids):
+            for message_id in chunk:
+                head = queue.head(message_id)
+                ranks[rank.get(head.klass, -1) if head is not None else -1].append(message_id)
+            await asyncio.sleep(0)
+        return [message_id for same in ranks for message_id in same]
+
     async def matching(filters: views.Filters) -> AsyncIterator[list[Message]]:
         """The matches a chunk of the queue at a time, decoded and acted on before the
         loop runs again (so none is stale: a record changed meanwhile would be written
@@ -46,7 +61,8 @@ def operation_commands(manager: DeliveryManager, spool: Spool) -> dict[str, Comm
         `flush --all` after an outage must not hold them all, nor stall the loop."""
         named = filters.ids is not None  # queue ids named: only those are looked at
         queue = spool.messages  # the recovered queue (the recovery replaces the map)
-        for chunk in chunks(list(dict.fromkeys(filters.ids)) if named else list(queue)):
+        ids = await by_class(list(dict.fromkeys(filters.ids)) if named else list(queue))
+        for chunk in chunks(ids):
             found = (queue.get(i) for i in chunk)
             yield [m for m in found if m is not None and views.matches(m, filters)]
             await spool.drained()  # the records it changed, journaled before the next
