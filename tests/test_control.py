@@ -15,6 +15,7 @@ import tempfile
 import threading
 from collections.abc import AsyncGenerator, Coroutine, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ from mtaqueue.control.server import Command, CommandError, ControlError, Control
 from mtaqueue.ids import IdGenerator
 from mtaqueue.model import RECIPIENT_STATES, Message, Recipient
 from mtaqueue.spool import walk
+from mtaqueue.spool.records import MessageMap
 
 REPO = Path(__file__).resolve().parents[1]
 NOW = 1_700_000_000.0
@@ -683,6 +685,8 @@ def test_a_walk_over_the_queue_lets_the_event_loop_run_and_reads_as_it_goes(monk
 class _Steering:
     """What a bulk command hands the delivery manager: each batch, as it was given."""
 
+    placement = SimpleNamespace(class_rank={"p0": 0, "p1": 1, "p2": 2})
+
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
 
@@ -697,7 +701,9 @@ class _Journal:
     """The spool as bulk commands see it: the queue, and the wait for the writer."""
 
     def __init__(self, messages: dict[str, Message]) -> None:
-        self.messages, self.waits = messages, 0
+        self.messages, self.waits = MessageMap(), 0
+        for message in messages.values():
+            self.messages.put(message)
 
     async def drained(self) -> None:
         self.waits += 1
@@ -707,7 +713,8 @@ def test_a_bulk_command_acts_a_chunk_at_a_time_and_lets_the_loop_run(monkeypatch
     # `flush --all` after a long outage meets a million queued: the matches are decoded
     # and handed over a chunk at a time, in the step that read them (never stale), with
     # the loop running between chunks and the writer given each step's records before
-    # the next; named queue ids are looked up, not searched for.
+    # the next; named queue ids are looked up, not searched for. The walk goes class by
+    # class, the first class first (queue order within one).
     monkeypatch.setattr(walk, "WALK_CHUNK", 2)
     steering, journal = _Steering(), _Journal(dict(MESSAGES))
     hold = operation_commands(steering, journal)["hold"]  # type: ignore[arg-type]
@@ -717,7 +724,8 @@ def test_a_bulk_command_acts_a_chunk_at_a_time_and_lets_the_loop_run(monkeypatch
 
     (reply,), ticks = asyncio.run(ticks_during(replies({"all": True})))
     assert reply == {"held": len(MESSAGES)} and ticks >= len(MESSAGES) // 2
-    assert sorted(i for batch in steering.batches for i in batch) == sorted(MESSAGES)
+    walked = [i for batch in steering.batches for i in batch]
+    assert walked == [URGENT.id, DSN.id, HELD.id, BULK.id]  # queued: URGENT, HELD, BULK, DSN
     assert all(len(batch) <= 2 for batch in steering.batches)
     assert journal.waits == len(steering.batches)  # what each step queued, written first
     steering.batches.clear()
