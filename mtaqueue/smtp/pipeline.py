@@ -24,7 +24,10 @@ speaks to that host in lock-step (`lockstep`). With DATA the 354 is a reply no o
 command should get, so a reply shifted onto the wrong command shows before the content
 goes — unless the server also answered a recipient with 354 and DATA not at all; in a BDAT
 group every reply may be a 250, and a server that answers one command twice and BDAT not
-at all cannot be told from one in step either (no client can).
+at all cannot be told from one in step either (no client can). Nor can a server that
+leaves a final dot unanswered and cuts the group behind it short with a 421: read in step,
+the dot got the next MAIL's 250 and MAIL the 421, which is what a server that took the
+message and then refused more says; the message is taken as delivered.
 
 Replies are timed for the destination's latency (policy/latency.py), each from the write
 that asked for it: a group's first reply ("mail": a round trip and the server's work), each
