@@ -94,12 +94,11 @@ class Operations:
                 count += 1
         return count
 
-    def flush(self, messages: list[Message], lifted: set[str] | None = None) -> int:
+    def flush(self, messages: list[Message], lifted: set[str]) -> int:
         """Make deferred mail due now (still paced), its destinations lifted (see above).
-        `lifted`: the destinations this command lifted already, for a command that comes
-        a chunk at a time (each is lifted once: one probe, not one a chunk)."""
+        `lifted`: the destinations this command lifted already (its chunks share it, and
+        it grows here): each is lifted once a command, one probe, not one a chunk."""
         now = self.driver.now()
-        lifted = set() if lifted is None else lifted
         ids = {m.id for m in messages if not m.held}
         # Only what something holds back, then whether this mail waits there: a flush of a
         # million messages comes a chunk at a time, and every destination's waiting mail
@@ -128,7 +127,7 @@ class Operations:
                 count += 1
         return count
 
-    def requeue(self, messages: list[Message], lifted: set[str] | None = None) -> int:
+    def requeue(self, messages: list[Message], lifted: set[str]) -> int:
         """Look the recipients' domains up again, then flush (still paced)."""
         for message in messages:
             for rcpt in message.recipients:
