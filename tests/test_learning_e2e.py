@@ -67,13 +67,17 @@ def test_a_strict_provider_is_learned_politely_and_remembered(start_daemon):
         # (The connections that worked when one more was refused, as we count them: the
         # provider may still count one that is closing.)
         learned = [e for e in events(daemon, "limit_learned") if e["what"] == "concurrency"]
-        assert learned and CONNECTIONS <= learned[-1]["new"] <= CONNECTIONS + 1
+        capped = sum(n for key, n in report["replies"].items() if "Too many concurrent" in key)
+        if capped or learned:
+            assert learned and CONNECTIONS <= learned[-1]["new"] <= CONNECTIONS + 1
+        # else: paced under the cap throughout (a loaded machine's run): nothing to learn.
         (dest,) = (json.loads(daemon.ctl("domains", "--json").stdout.splitlines()[0]),)
         lesson = dest["learned"]
         # Taught by a 421 4.7.28 (or, on a loaded machine, by a latency far over its
         # baseline: the other throttle signal).
         assert lesson["rate_reply"].startswith(("421 4.7.28", "latency"))
-        assert lesson["concurrency"] == learned[-1]["new"]
+        if learned:
+            assert lesson["concurrency"] == learned[-1]["new"]
         assert lesson["rate_per_minute"] <= 1.3 * RATE * 60  # converged near the limit
 
         # What it learned survives a restart: the next mail goes at that rate, not the
