@@ -70,7 +70,8 @@ def test_a_strict_provider_is_learned_politely_and_remembered(start_daemon):
         capped = sum(n for key, n in report["replies"].items() if "Too many concurrent" in key)
         if capped or learned:
             assert learned and CONNECTIONS <= learned[-1]["new"] <= CONNECTIONS + 1
-        # else: paced under the cap throughout (a loaded machine's run): nothing to learn.
+        else:  # paced under the cap throughout (a loaded machine's run): nothing to learn
+            assert report["connections"]["max_concurrent_per_client"] <= CONNECTIONS
         (dest,) = (json.loads(daemon.ctl("domains", "--json").stdout.splitlines()[0]),)
         lesson = dest["learned"]
         # Taught by a 421 4.7.28 (or, on a loaded machine, by a latency far over its
